@@ -1,0 +1,71 @@
+# Fresh machine:  make test   (sets up .venv first)   |   make demo   (the main job)
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMPS := $(VENV)/.stamps
+BUILD  := .build
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export PYTHONDONTWRITEBYTECODE := 1
+# CPU runs: rendering of the simulator goes through EGL, no display needed.
+export MUJOCO_GL ?= egl
+
+PKG_SOURCES := $(shell find vla_accel_ros kernels config launch -type f -not -name '*.pyc' -not -path '*/__pycache__/*' 2>/dev/null)
+MSG_SOURCES := $(wildcard msg/*.msg) CMakeLists.txt cmake/pypi_wheels.cmake package.xml
+
+.PHONY: help setup test test-slow demo clean lint
+
+help:
+	@echo "make setup      create $(VENV), install dependencies, build msg/, install the package"
+	@echo "make test       run the test suite (sets up first when needed)"
+	@echo "make test-slow  also run the tests marked slow"
+	@echo "make demo       the main job: demo bundles, replay benchmark, closed loop"
+
+setup: $(STAMPS)/package
+
+$(STAMPS)/venv:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=24"
+	mkdir -p $(STAMPS) && touch $@
+
+$(STAMPS)/deps: requirements.txt requirements-ros.txt requirements-sim.txt requirements-dev.txt $(STAMPS)/venv
+	$(BIN)/pip install -q -r requirements.txt -r requirements-ros.txt -r requirements-sim.txt -r requirements-dev.txt
+	touch $@
+
+# The real rosidl pipeline, configured against the venv as the ament prefix.
+$(STAMPS)/msgs: $(MSG_SOURCES) $(STAMPS)/deps
+	mkdir -p $(BUILD) && source $(BIN)/activate && export AMENT_PREFIX_PATH="$$VIRTUAL_ENV" && \
+	cmake -S . -B $(BUILD)/msgs -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_PREFIX_PATH="$$VIRTUAL_ENV" -DCMAKE_INSTALL_PREFIX="$$VIRTUAL_ENV" \
+	  -DBUILD_TESTING=OFF -DVLA_ACCEL_ROS_INSTALL_PYTHON=OFF \
+	  -DPython3_EXECUTABLE="$$VIRTUAL_ENV/bin/python" > $(BUILD)/msgs-configure.log 2>&1 \
+	  || { cat $(BUILD)/msgs-configure.log; exit 1; }
+	$(BIN)/cmake --build $(BUILD)/msgs --target install > $(BUILD)/msgs-build.log 2>&1 \
+	  || { tail -50 $(BUILD)/msgs-build.log; exit 1; }
+	@# ament_python_install_package leaves an egg-info claiming the whole vla_accel_ros
+	@# directory; pip would uninstall the generated interfaces along with it.
+	rm -rf "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/vla_accel_ros-*.egg-info
+	touch $@
+
+# A regular (non-editable) install: the package and the generated interfaces share one
+# site-packages/vla_accel_ros directory, exactly as in a colcon install space. Rebuilt when any
+# source changes; the msg build rewrites that directory's __init__.py, so it comes first.
+$(STAMPS)/package: $(STAMPS)/msgs setup.py setup.cfg $(PKG_SOURCES)
+	$(BIN)/pip install -q --no-deps --no-build-isolation .
+	rm -rf build *.egg-info
+	touch $@
+
+test: setup
+	$(BIN)/pytest -q
+
+test-slow: setup
+	$(BIN)/pytest -q -m "slow or not slow"
+
+demo: setup
+	$(BIN)/vla-accel demo
+
+clean:
+	rm -rf $(VENV) $(BUILD) build *.egg-info

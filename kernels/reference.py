@@ -1,0 +1,28 @@
+"""PyTorch reference kernels: the CPU path and the ground truth for any GPU version."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import register
+
+
+class ReferenceKernels:
+    name = "reference"
+
+    @staticmethod
+    def write_kv(k_cache, v_cache, slots, k, v) -> None:
+        # index_copy_ writes in place, so the cache keeps its storage and static shape.
+        k_cache.index_copy_(2, slots, k)
+        v_cache.index_copy_(2, slots, v)
+
+    @staticmethod
+    def attend(q, k, v, mask, scale) -> torch.Tensor:
+        # q: [B, Hq, n, D], k/v: [B, Hkv, S, D], mask: [n, S] (broadcast over batch and heads).
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+
+register("reference", ReferenceKernels, lambda device: True)

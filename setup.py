@@ -1,0 +1,40 @@
+"""pip installs the Python package here; colcon uses CMakeLists.txt (ament_cmake).
+
+The version is read from package.xml so the two cannot disagree.
+"""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).resolve().parent
+PACKAGE = "vla_accel_ros"
+VERSION = re.search(r"<version>([^<]+)</version>", (HERE / "package.xml").read_text()).group(1)
+
+NODES = ("camera_node", "policy_node", "action_controller_node", "aloha_sim_node")
+
+
+def share(subdir: str) -> tuple[str, list[str]]:
+    files = sorted(str(p.relative_to(HERE)) for p in (HERE / subdir).glob("*") if p.is_file())
+    return (f"share/{PACKAGE}/{subdir}", files)
+
+
+setup(
+    version=VERSION,
+    packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]) + [f"{PACKAGE}.kernels"],
+    # The custom operators live in the top-level kernels/ directory (product layout) and are
+    # importable as vla_accel_ros.kernels, never as a top-level `kernels` module: that name
+    # belongs to the Hugging Face `kernels` package, which transformers probes for.
+    package_dir={f"{PACKAGE}.kernels": "kernels"},
+    data_files=[
+        (f"share/{PACKAGE}", ["package.xml"]),
+        ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
+        share("config"),
+        share("launch"),
+    ],
+    entry_points={
+        "console_scripts": [f"vla-accel = {PACKAGE}.cli:main"]
+        + [f"{n} = {PACKAGE}.ros.{n}:main" for n in NODES],
+    },
+)

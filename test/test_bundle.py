@@ -1,0 +1,136 @@
+"""Bundles: self-contained, safetensors only, validated with errors that name the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from vla_accel_ros.core.bundle import CONFIG_FILE, WEIGHTS_FILE, load_bundle, read_spec
+from vla_accel_ros.core.errors import BundleError, ParityError
+from vla_accel_ros.core.parity import run_parity
+from vla_accel_ros.core.prefix import FullRecompute, PrefixPlan
+from vla_accel_ros.models.factory import load_policy, model_from_bundle
+
+PACKAGE = Path(__import__("vla_accel_ros").__file__).parent
+
+
+def _edit_config(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / CONFIG_FILE).read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / CONFIG_FILE).write_text(json.dumps(cfg))
+    return dst
+
+
+def test_bundle_holds_only_json_and_safetensors(tiny_bundles):
+    for path in tiny_bundles.values():
+        assert sorted(p.name for p in path.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
+        b = load_bundle(path)
+        assert b.spec.joint_names[0] == "left_waist" and len(b.spec.joint_names) == 14
+        assert "action" in b.spec.norm_stats
+
+
+def test_roundtrip_is_bit_exact(tiny_bundles):
+    b = load_bundle(tiny_bundles["flow"])
+    model = model_from_bundle(b)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, b.state_dict[name]), name
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"joint_names": ["a", "b"]}, "joint_names"),
+        ({"format": "something/9"}, "format"),
+        ({"image_size": 225}, "image_size"),
+        ({"family": "diffusion"}, "family"),
+        ({"dt": -1.0}, "dt"),
+        ({"bogus_field": 1}, "bogus_field"),
+        ({"instruction_template": "no placeholder"}, "instruction_template"),
+        ({"norm_stats": {}}, "norm_stats.action"),
+    ],
+)
+def test_bad_config_fields_are_named(tiny_bundles, tmp_path, changes, field):
+    bad = _edit_config(tiny_bundles["ar"], tmp_path / "bad", **changes)
+    with pytest.raises(BundleError, match=field.replace(".", "\\.")):
+        read_spec(bad)
+
+
+def test_weights_that_do_not_match_the_config_are_rejected(tiny_bundles, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_bundles["ar"], bad)
+    state = load_file(str(bad / WEIGHTS_FILE))
+    state.pop(next(iter(state)))
+    save_file(state, str(bad / WEIGHTS_FILE))
+    with pytest.raises(BundleError, match="missing"):
+        load_policy(bad)
+    (bad / WEIGHTS_FILE).write_bytes(b"not a safetensors file")
+    with pytest.raises(BundleError, match="safetensors"):
+        load_bundle(bad)
+    with pytest.raises(BundleError, match="not a bundle"):
+        load_bundle(tmp_path)
+
+
+def test_no_pickle_anywhere_in_the_package():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        for needle in ("import pickle", "torch.load(", "cloudpickle", "pickle.load", "from pickle"):
+            if needle in text:
+                offenders.append(f"{path.relative_to(PACKAGE)}: {needle}")
+    assert not offenders
+
+
+class _PruneEverythingPlanner(FullRecompute):
+    """An 'accelerated path' that is wrong: drops all image tokens after layer 1 once warm."""
+
+    name = "broken"
+
+    def __init__(self):
+        self.calls = 0
+
+    def plan(self, ctx):
+        self.calls += 1
+        slots = ctx.layout.all_slots()
+        if self.calls == 1:
+            return super().plan(ctx)
+        keep = ctx.layout.text_slots()
+        layer_slots = [slots, slots] + [keep] * (ctx.layout.num_layers - 2)
+        return PrefixPlan(layer_slots=layer_slots, drop={2: ctx.layout.image_slots()}, full=False)
+
+
+def test_policy_refuses_to_start_when_its_accelerated_path_fails_parity(tiny_bundles):
+    with pytest.raises(ParityError, match="refuses to start"):
+        load_policy(tiny_bundles["ar"], planner=_PruneEverythingPlanner())
+
+
+def test_parity_gate_reports_numbers_and_catches_a_wrong_kernel(tiny_bundles):
+    from vla_accel_ros.core.policy_config import PolicyConfig
+
+    policy = load_policy(tiny_bundles["flow"], PolicyConfig(parity_check=False))
+    good = run_parity(policy)
+    assert good.passed and good.metrics["prefix_hidden_max_abs"] <= 1e-4
+
+    class Off:
+        name = "off-by-a-bit"
+        write_kv = staticmethod(policy.vlm_engine.kernels.write_kv)
+
+        @staticmethod
+        def attend(q, k, v, mask, scale):
+            return 1.01 * torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
+
+    policy.vlm_engine.kernels = Off()
+    bad = run_parity(policy)
+    assert not bad.passed and "FAIL" in bad.table()

@@ -1,0 +1,5 @@
+import sys
+
+from vla_accel_ros.cli import main
+
+sys.exit(main())

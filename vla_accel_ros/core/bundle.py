@@ -1,0 +1,149 @@
+"""Self-contained model bundles: ``config.json`` + ``model.safetensors``.
+
+A bundle carries everything a policy needs (vla.cpp's lesson): architecture sizes, camera
+names, image size, instruction template, tokenizer, chunking, joint names and the
+normalization statistics. Weights load with safetensors only; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.errors import BundleError, ConfigError
+
+FORMAT = "vla_accel_ros.bundle/1"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class BundleSpec(Config):
+    """The validated content of a bundle's config.json."""
+
+    family: str = param("ar", doc="policy family", choices=("ar", "flow"))
+    name: str = param("unnamed", doc="human-readable bundle name")
+    cameras: tuple[str, ...] = param(("cam_high",), doc="camera names, in token order")
+    image_size: int = param(224, doc="square image size fed to the vision tower", range=(14, 2048))
+    patch_size: int = param(14, doc="vision patch size in pixels", range=(1, 256))
+    instruction_template: str = param(
+        "In: What action should the robot take to {instruction}?\nOut:", doc="prompt around the instruction"
+    )
+    default_instruction: str = param("transfer the cube", doc="instruction used when none was given")
+    max_text_tokens: int = param(64, doc="longest tokenized prompt accepted", range=(1, 4096))
+    text_vocab: int = param(512, doc="hash-word tokenizer buckets", range=(16, 10_000_000))
+    action_dim: int = param(14, doc="D: action vector size", range=(1, 256))
+    chunk_size: int = param(1, doc="H: actions per chunk", range=(1, 1024))
+    dt: float = param(0.02, doc="seconds between consecutive actions", range=(1e-4, 10.0))
+    joint_names: tuple[str, ...] = param((), doc="one name per action dimension")
+    state_dim: int = param(0, doc="proprioceptive state size (0: no state input)", range=(0, 256))
+    num_steps: int = param(10, doc="flow: Euler steps per chunk", range=(1, 1000))
+    action_bins: int = param(256, doc="ar: action tokens = the last N vocabulary ids", range=(2, 65536))
+    norm_stats: dict | None = None  # {"action": {mean,std,q01,q99}, "state": {mean,std}}
+    vision: dict | None = None  # SiglipVisionConfig kwargs
+    lm: dict | None = None  # Llama/Qwen2 config kwargs + model_type
+    expert: dict | None = None  # flow: the action expert's decoder config
+
+    def validate(self) -> None:
+        if "{instruction}" not in self.instruction_template:
+            raise ConfigError("instruction_template must contain '{instruction}'")
+        if self.image_size % self.patch_size:
+            raise ConfigError(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}")
+        if len(set(self.cameras)) != len(self.cameras) or not self.cameras:
+            raise ConfigError(f"cameras={list(self.cameras)} must be a non-empty list of unique names")
+        if len(self.joint_names) != self.action_dim:
+            raise ConfigError(f"joint_names has {len(self.joint_names)} names but action_dim is {self.action_dim}")
+        for key in ("vision", "lm", "norm_stats"):
+            if not isinstance(getattr(self, key), dict):
+                raise ConfigError(f"{key} must be a mapping")
+        if (self.vision.get("image_size"), self.vision.get("patch_size")) != (self.image_size, self.patch_size):
+            raise ConfigError("vision.image_size / vision.patch_size must equal image_size / patch_size")
+        if "action" not in self.norm_stats:
+            raise ConfigError("norm_stats.action is required")
+        if self.family == "ar":
+            vocab = int(self.lm.get("vocab_size", 0))
+            if 3 + self.text_vocab > vocab - self.action_bins:
+                raise ConfigError(
+                    f"lm.vocab_size={vocab} leaves no room for 3 special + text_vocab={self.text_vocab} "
+                    f"+ action_bins={self.action_bins} ids"
+                )
+        else:
+            if not isinstance(self.expert, dict):
+                raise ConfigError("flow bundles need an 'expert' decoder config")
+            if self.state_dim and "state" not in self.norm_stats:
+                raise ConfigError("norm_stats.state is required when state_dim > 0")
+            for key in ("num_hidden_layers", "num_key_value_heads"):
+                if self.expert.get(key) != self.lm.get(key):
+                    raise ConfigError(f"expert.{key} must equal lm.{key} (the expert attends to the VLM's K/V)")
+            if _head_dim(self.expert) != _head_dim(self.lm):
+                raise ConfigError("expert and lm must have the same head_dim")
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+
+def _head_dim(spec: Mapping[str, Any]) -> int:
+    return int(spec.get("head_dim") or spec["hidden_size"] // spec["num_attention_heads"])
+
+
+@dataclass
+class Bundle:
+    path: Path
+    spec: BundleSpec
+    state_dict: dict  # name -> torch.Tensor
+
+
+def read_spec(path: str | Path) -> BundleSpec:
+    path = Path(path)
+    cfg_path = path / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise BundleError(f"{path}: not a bundle (no {CONFIG_FILE})")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{cfg_path}: invalid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise BundleError(f"{cfg_path}: top level must be an object")
+    fmt = raw.pop("format", None)
+    if fmt != FORMAT:
+        raise BundleError(f"{cfg_path}: field 'format' is {fmt!r}, expected {FORMAT!r}")
+    try:
+        return BundleSpec.from_dict(raw)
+    except ConfigError as e:
+        raise BundleError(f"{cfg_path}: {e}") from e
+
+
+def load_bundle(path: str | Path) -> Bundle:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    spec = read_spec(path)
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise BundleError(f"{path}: missing {WEIGHTS_FILE}")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise BundleError(f"{weights}: unreadable safetensors file: {e}") from e
+    return Bundle(path=path, spec=spec, state_dict=state)
+
+
+def save_bundle(path: str | Path, spec: BundleSpec, state_dict: Mapping[str, Any]) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt", "bundle": FORMAT})
+    (path / CONFIG_FILE).write_text(json.dumps({"format": FORMAT, **spec.to_dict()}, indent=2) + "\n")
+    return path
+
+
+def count_parameters(state_dict: Mapping[str, Any]) -> int:
+    return int(sum(math.prod(v.shape) for v in state_dict.values()))

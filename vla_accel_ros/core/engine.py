@@ -1,0 +1,253 @@
+"""The inference engine: runs a stock transformers decoder layer by layer from our own loop.
+
+We never patch transformers. :class:`DecoderStack` takes a ``LlamaModel`` / ``Qwen2Model``
+(or any decoder with the same module names) and uses its modules as they are: the layer
+norms, the q/k/v/o projections, the MLP, the rotary embedding and the model's own
+``apply_rotary_pos_emb``. What we own is the loop, so per layer we decide which token rows
+are computed:
+
+* full prefill / decode: every row computed, K/V written to the static cache by slot;
+* partial recompute: a shrinking, nested set of rows per layer; rows that stop being
+  computed keep the K/V already in the cache (from the previous frame) at their original
+  RoPE positions;
+* pruning: rows dropped at a layer are invalidated in the cache from that layer on, so no
+  later layer attends to them;
+* packed forward: rows of independent segments in one pass; the cache layout keeps each
+  segment attending only to its own history;
+* attention taps: softmax attention of a few query rows at chosen layers, computed next to
+  the fused attention (the other rows never go through eager attention).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from vla_accel_ros.core.errors import PlanError
+from vla_accel_ros.core.kv_cache import KVCache
+from vla_accel_ros.kernels import KernelSet, get_kernels
+
+
+class DecoderStack:
+    """Handles on the modules of a transformers decoder, validated once."""
+
+    def __init__(self, model: nn.Module) -> None:
+        for attr in ("layers", "norm", "rotary_emb"):
+            if not hasattr(model, attr):
+                raise TypeError(f"{type(model).__name__} has no .{attr}; expected a LlamaModel-like decoder")
+        cfg = model.config
+        if getattr(cfg, "use_sliding_window", False):
+            raise TypeError("sliding-window attention is not supported by the engine")
+        layer0 = model.layers[0]
+        attn = layer0.self_attn
+        for attr in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"):
+            if not hasattr(attn, attr):
+                raise TypeError(f"{type(attn).__name__} has no .{attr}")
+        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            raise TypeError("per-head q/k norms (Qwen3-style) are not supported by the engine yet")
+        self.model = model
+        self.layers: Sequence[nn.Module] = model.layers
+        self.norm: nn.Module = model.norm
+        self.rotary: nn.Module = model.rotary_emb
+        self.embed: nn.Module | None = getattr(model, "embed_tokens", None)
+        self.num_layers = len(model.layers)
+        self.hidden_size = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        # The rotary application of the model's own modeling module (identical for Llama and
+        # Qwen2 today, but taken from the module so a model family that differs stays right).
+        self.apply_rope: Callable = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+    def rope_table(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for every position once, so a step only gathers rows.  # [P, D] each"""
+        pos = torch.arange(max_positions, device=device)[None]
+        probe = torch.empty(1, dtype=dtype, device=device)
+        cos, sin = self.rotary(probe, pos)
+        return cos[0].to(dtype), sin[0].to(dtype)
+
+    def make_cache(self, max_slots: int, *, batch: int = 1, dtype=torch.float32, device="cpu") -> KVCache:
+        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, max_slots, batch=batch, dtype=dtype, device=device)
+
+
+@dataclass
+class TapSpec:
+    """Record attention of ``query_slots`` over ``key_slots`` at ``layers``."""
+
+    layers: tuple[int, ...]
+    query_slots: torch.Tensor  # [nq] int64, ascending
+    key_slots: torch.Tensor  # [nk] int64
+
+
+@dataclass
+class TapResult:
+    # layer -> [nq, nk]: softmax attention probabilities (over all visible keys), head-averaged.
+    attn: dict[int, torch.Tensor] = field(default_factory=dict)
+    # layer -> mean entropy (nats) of each query row's attention renormalized over key_slots.
+    entropy: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class StepPlan:
+    """What one forward computes.
+
+    slots / positions: the rows entering layer 0 (ascending slots) and their RoPE positions.
+    layer_slots: optional, per layer, the slots computed at that layer; must be nested
+        (layer l's set is a subset of layer l-1's). Rows that leave keep the cached K/V of
+        their slot at the later layers (reuse) unless they are listed in ``drop``.
+    drop: layer -> slots dropped from that layer on (pruning); they must leave the computed
+        set at that layer.
+    output_slots: slots whose final, normed hidden states are returned (computed at the last
+        layer); None returns nothing.
+    taps: optional attention taps.
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    layer_slots: Sequence[torch.Tensor] | None = None
+    drop: dict[int, torch.Tensor] = field(default_factory=dict)
+    output_slots: torch.Tensor | None = None
+    taps: TapSpec | None = None
+
+
+@dataclass
+class StepOutput:
+    hidden: torch.Tensor | None  # [B, n_out, H]
+    taps: TapResult | None
+    computed_per_layer: list[int]
+
+
+def _rel_index(superset: torch.Tensor, subset: torch.Tensor, what: str) -> torch.Tensor:
+    """Positions of ``subset`` inside ascending ``superset``; PlanError if one is missing."""
+    idx = torch.searchsorted(superset, subset)
+    if subset.numel() and (idx.max() >= superset.numel() or not torch.equal(superset[idx], subset)):
+        raise PlanError(f"{what}: some slots are not in the rows computed at the previous layer")
+    return idx
+
+
+class Engine:
+    """Drives a :class:`DecoderStack` over a :class:`KVCache` (one per sequence context)."""
+
+    def __init__(
+        self,
+        stack: DecoderStack,
+        cache: KVCache,
+        *,
+        max_positions: int | None = None,
+        kernels: KernelSet | None = None,
+    ) -> None:
+        if cache.num_layers != stack.num_layers:
+            raise ValueError(f"cache has {cache.num_layers} layers, the decoder {stack.num_layers}")
+        self.stack = stack
+        self.cache = cache
+        self.device = cache.k.device
+        self.dtype = cache.k.dtype
+        self.kernels = kernels or get_kernels(self.device)
+        max_positions = max_positions or stack.model.config.max_position_embeddings
+        self.cos, self.sin = stack.rope_table(max_positions, self.dtype, self.device)
+
+    def forward(self, x: torch.Tensor, plan: StepPlan, *, differentiable: bool = False) -> StepOutput:
+        """x: [B, N, H] input embeddings of ``plan.slots`` (in that order).
+
+        ``differentiable=True`` runs with autograd on (for guidance that needs d out / d x, e.g.
+        Real-Time Chunking): the rows' K/V are then merged out of place and the cache is left
+        untouched, so a guided step can be differentiated without disturbing cached state.
+        """
+        if differentiable:
+            with torch.enable_grad():
+                return self._forward(x, plan, differentiable=True)
+        with torch.inference_mode():
+            return self._forward(x, plan, differentiable=False)
+
+    def _forward(self, x: torch.Tensor, plan: StepPlan, differentiable: bool) -> StepOutput:
+        st, cache, kern = self.stack, self.cache, self.kernels
+        B, N, _ = x.shape
+        rows = plan.slots
+        if rows.numel() != N or plan.positions.numel() != N:
+            raise PlanError(f"x has {N} rows but plan has {rows.numel()} slots / {plan.positions.numel()} positions")
+        if N > 1 and not bool((rows[1:] > rows[:-1]).all()):
+            raise PlanError("plan.slots must be strictly ascending")
+        cos, sin = self.cos[plan.positions][None], self.sin[plan.positions][None]  # [1, N, D]
+        Hq, Hkv, D = st.num_heads, st.num_kv_heads, st.head_dim
+        taps = TapResult() if plan.taps is not None else None
+        tap_layers = set(plan.taps.layers) if plan.taps is not None else set()
+        computed: list[int] = []
+        allowed_rows = cache.allowed[rows]  # [n, S]
+        kv_end = int(cache.visible_end[rows].max()) if N else 0
+
+        for l, layer in enumerate(st.layers):
+            if plan.layer_slots is not None and plan.layer_slots[l] is not rows:
+                new_rows = plan.layer_slots[l]
+                if not (l == 0 and torch.equal(new_rows, rows)):
+                    sel = _rel_index(rows, new_rows, f"layer_slots[{l}]")
+                    x, cos, sin = x[:, sel], cos[:, sel], sin[:, sel]
+                    rows = new_rows
+                    allowed_rows = allowed_rows[sel]
+            if l in plan.drop:
+                dropped = plan.drop[l]
+                if torch.isin(dropped, rows).any():
+                    raise PlanError(f"drop[{l}]: a dropped slot is still computed at layer {l}")
+                cache.invalidate(dropped, from_layer=l)
+            n = rows.numel()
+            computed.append(n)
+            if n == 0:
+                continue
+
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(B, n, Hq, D).transpose(1, 2)  # [B, Hq, n, D]
+            k = attn.k_proj(h).view(B, n, Hkv, D).transpose(1, 2)  # [B, Hkv, n, D]
+            v = attn.v_proj(h).view(B, n, Hkv, D).transpose(1, 2)
+            q, k = st.apply_rope(q, k, cos, sin)
+            k_cache, v_cache = cache.k[l], cache.v[l]  # [B, Hkv, S, D]
+            if differentiable:
+                k_cache, v_cache = k_cache.index_copy(2, rows, k), v_cache.index_copy(2, rows, v)
+                valid = cache.valid[l].clone()
+                valid[rows] = True
+            else:
+                kern.write_kv(k_cache, v_cache, rows, k, v)
+                cache.valid[l, rows] = True
+                valid = cache.valid[l]
+            mask = allowed_rows[:, :kv_end] & valid[:kv_end]  # [n, S']
+            keys, values = k_cache[:, :, :kv_end], v_cache[:, :, :kv_end]
+            o = kern.attend(q, keys, values, mask, st.scaling)  # [B, Hq, n, D]
+            if l in tap_layers:
+                self._tap(l, q, keys, mask, rows, plan.taps, taps)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+
+        hidden = None
+        if plan.output_slots is not None:
+            sel = _rel_index(rows, plan.output_slots, "output_slots")
+            hidden = st.norm(x[:, sel])
+        return StepOutput(hidden=hidden, taps=taps, computed_per_layer=computed)
+
+    def _tap(self, l, q, keys, mask, rows, spec: TapSpec, out: TapResult) -> None:
+        """Eager softmax for the tapped query rows only.  q: [B, Hq, n, D], keys: [B, Hkv, S', D]"""
+        qi = _rel_index(rows, spec.query_slots, f"taps.query_slots at layer {l}")
+        B, Hq, _, D = q.shape
+        Hkv = keys.shape[1]
+        qt = q[:, :, qi].reshape(B, Hkv, Hq // Hkv, qi.numel(), D)  # [B, Hkv, g, nq, D]
+        scores = torch.einsum("bhgqd,bhsd->bhgqs", qt, keys) * self.stack.scaling
+        scores = scores.masked_fill(~mask[qi], float("-inf"))
+        probs = scores.softmax(dim=-1).flatten(1, 2)  # [B, Hq, nq, S']
+        key_slots = spec.key_slots
+        pk = probs[..., key_slots]  # [B, Hq, nq, nk]
+        out.attn[l] = pk.mean(dim=(0, 1))
+        p = pk / pk.sum(-1, keepdim=True).clamp_min(1e-12)
+        ent = -(p * p.clamp_min(1e-12).log()).sum(-1)  # [B, Hq, nq]
+        out.entropy[l] = float(ent.mean())
+
+    # -- helpers for the common shapes of plans ------------------------------------------------
+    def full_plan(self, start: int, length: int, *, position0: int | None = None, output_last: bool = True) -> StepPlan:
+        """Every row of slots [start, start+length) at positions position0.. (default: start..)."""
+        slots = torch.arange(start, start + length, device=self.device)
+        p0 = start if position0 is None else position0
+        positions = torch.arange(p0, p0 + length, device=self.device)
+        out = slots[-1:] if output_last else None
+        return StepPlan(slots=slots, positions=positions, output_slots=out)

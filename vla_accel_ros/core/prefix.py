@@ -1,0 +1,112 @@
+"""How a policy decides which prefix tokens to compute at each layer.
+
+The policy builds the prefix (image tokens per camera, instruction tokens, state) and asks a
+:class:`PrefixPlanner` which slots to compute per layer. The default planner recomputes
+everything; the token cache (VLA-Cache) and pruning planners return smaller, nested sets.
+The planner sees the preprocessed frames and, after the forward, the attention taps it asked
+for, so every selection cost lands inside the policy's "select" stage timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+
+from vla_accel_ros.core.engine import TapResult, TapSpec
+
+
+@dataclass(frozen=True)
+class PrefixLayout:
+    """Slot layout of one observation's prefix (for the prefix, slot == RoPE position).
+
+    cameras[i]'s image tokens occupy ``image_slots(i)``: a row-major grid x grid block.
+    ``fixed_slots`` hold tokens that never change within an episode (e.g. BOS).
+    """
+
+    cameras: tuple[str, ...]
+    grid: int  # image tokens per side
+    patch_size: int  # pixels per token side at the model's image size
+    image_size: int
+    image_start: int
+    text_start: int
+    text_len: int
+    state_slot: int | None
+    length: int  # P
+    fixed_slots: tuple[int, ...]
+    attention: Literal["causal", "bidirectional"]
+    num_layers: int
+
+    @property
+    def tokens_per_camera(self) -> int:
+        return self.grid * self.grid
+
+    @property
+    def num_image_tokens(self) -> int:
+        return self.tokens_per_camera * len(self.cameras)
+
+    def image_slots(self, camera_index: int | None = None) -> torch.Tensor:
+        if camera_index is None:
+            return torch.arange(self.image_start, self.image_start + self.num_image_tokens)
+        s = self.image_start + camera_index * self.tokens_per_camera
+        return torch.arange(s, s + self.tokens_per_camera)
+
+    def text_slots(self) -> torch.Tensor:
+        return torch.arange(self.text_start, self.text_start + self.text_len)
+
+    def all_slots(self) -> torch.Tensor:
+        return torch.arange(self.length)
+
+
+@dataclass
+class PrefixPlan:
+    """Per layer, the ascending prefix slots computed there (nested: each a subset of the one
+    before). ``layer_slots[0]`` are the rows whose embeddings the policy feeds in. A slot that
+    leaves the set is reused from the cache at later layers, unless ``drop`` prunes it."""
+
+    layer_slots: list[torch.Tensor]
+    drop: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> slots pruned from it on
+    taps: TapSpec | None = None
+    full: bool = True  # every slot computed at every layer
+    reset_reason: str = ""  # why the plan is a forced full recompute ("" if not)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PrefixContext:
+    """What a planner may look at for one observation."""
+
+    layout: PrefixLayout
+    frames: torch.Tensor  # [C, S, S, 3] uint8 at the model's resolution
+    instruction: str
+    episode: int
+    stamp_ns: int
+
+
+class PrefixPlanner(Protocol):
+    name: str
+
+    def plan(self, ctx: PrefixContext) -> PrefixPlan: ...
+
+    def update(self, ctx: PrefixContext, plan: PrefixPlan, taps: TapResult | None) -> None:
+        """Called after the prefix forward with the taps the plan asked for."""
+        ...
+
+    def reset(self, reason: str = "explicit") -> None: ...
+
+
+class FullRecompute:
+    """The baseline: every prefix token at every layer, every frame."""
+
+    name = "baseline"
+
+    def plan(self, ctx: PrefixContext) -> PrefixPlan:
+        slots = ctx.layout.all_slots()
+        return PrefixPlan(layer_slots=[slots] * ctx.layout.num_layers, full=True)
+
+    def update(self, ctx: PrefixContext, plan: PrefixPlan, taps: TapResult | None) -> None:
+        pass
+
+    def reset(self, reason: str = "explicit") -> None:
+        pass

@@ -1,0 +1,175 @@
+"""What the two policy families share: prefix assembly, planning, timing, reset."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from vla_accel_ros.core.bundle import BundleSpec
+from vla_accel_ros.core.errors import ObservationError
+from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.engine import Engine, StepPlan
+from vla_accel_ros.core.prefix import FullRecompute, PrefixContext, PrefixLayout, PrefixPlan, PrefixPlanner
+from vla_accel_ros.core.types import Observation
+from vla_accel_ros.models.common import Frames, HashWordTokenizer, Projector, build_vision, format_instruction, preprocess_frames
+
+
+class StageTimer:
+    """Wall time per stage, in ms, for one inference."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+        self._t0 = time.perf_counter_ns()
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        t = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter_ns() - t) / 1e6
+
+    def finish(self) -> dict[str, float]:
+        self.ms["total"] = (time.perf_counter_ns() - self._t0) / 1e6
+        return self.ms
+
+
+class VisionPrefix(nn.Module):
+    """Vision tower + projector: camera frames -> LM embeddings of the image tokens."""
+
+    def __init__(self, spec: BundleSpec, lm_hidden: int) -> None:
+        super().__init__()
+        self.vision = build_vision(spec.vision)
+        self.projector = Projector(self.vision.config.hidden_size, lm_hidden)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels: [C, 3, S, S] -> [C, G*G, H]"""
+        feats = self.vision(pixel_values=pixels).last_hidden_state
+        return self.projector(feats)
+
+
+class PolicyBase:
+    """Prefix bookkeeping common to :class:`ArPolicy` and :class:`FlowPolicy`."""
+
+    family = ""
+
+    def __init__(self, spec: BundleSpec, config: PolicyConfig, planner: PrefixPlanner | None) -> None:
+        self.spec = spec
+        self.config = config
+        self.planner: PrefixPlanner = planner or FullRecompute()
+        self.tokenizer = HashWordTokenizer(spec.text_vocab)
+        self._layouts: dict[str, tuple[PrefixLayout, list[int]]] = {}
+        self._static: dict[str, torch.Tensor] = {}
+        self._chunk_id = 0
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+
+    # -- subclass hooks ---------------------------------------------------------------------
+    model: nn.Module  # has .vis (VisionPrefix)
+
+    def _make_layout(self, text_len: int) -> PrefixLayout:
+        raise NotImplementedError
+
+    def _static_prefix(self, layout: PrefixLayout, ids: list[int]) -> torch.Tensor:
+        """[P, H] embeddings of the rows fixed by the instruction (BOS, prompt)."""
+        raise NotImplementedError
+
+    def _dynamic_rows(self, full: torch.Tensor, obs: Observation, layout: PrefixLayout) -> None:
+        """Fill per-observation rows other than images (e.g. the state token)."""
+
+    def _prepare(self, layout: PrefixLayout) -> None:
+        """Make the cache ready for a prefix of this layout."""
+
+    prefix_engine: Engine
+
+    # -- shared steps -------------------------------------------------------------------------
+    def text_ids(self, instruction: str) -> list[int]:
+        prompt = format_instruction(self.spec.instruction_template, instruction or self.spec.default_instruction)
+        ids = self.tokenizer.encode(prompt)
+        if len(ids) > self.spec.max_text_tokens:
+            raise ObservationError(
+                f"instruction is {len(ids)} tokens long with its template; the bundle accepts "
+                f"max_text_tokens={self.spec.max_text_tokens}"
+            )
+        return ids
+
+    def layout_for(self, instruction: str) -> tuple[PrefixLayout, list[int]]:
+        hit = self._layouts.get(instruction)
+        if hit is None:
+            ids = self.text_ids(instruction)
+            hit = (self._make_layout(len(ids)), ids)
+            if len(self._layouts) > 16:  # instructions rarely change; keep the map small
+                self._layouts.clear()
+            self._layouts[instruction] = hit
+        return hit
+
+    @torch.inference_mode()
+    def prefix_embeddings(self, obs: Observation, layout: PrefixLayout, ids: list[int], pixels: torch.Tensor, cams: list[int]) -> torch.Tensor:
+        """[P, H] prefix embeddings. Only cameras in ``cams`` go through the vision tower: the
+        image rows of the others are not computed this step, so their values are never read."""
+        static = self._static.get(obs.instruction)
+        if static is None:
+            static = self._static_prefix(layout, ids)
+            if len(self._static) > 16:
+                self._static.clear()
+            self._static[obs.instruction] = static
+        full = static.clone()
+        if cams:
+            img = self.model.vis(pixels[cams])  # [c, G*G, H]
+            for j, cam in enumerate(cams):
+                full[layout.image_slots(cam)] = img[j]
+        self._dynamic_rows(full, obs, layout)
+        return full
+
+    @staticmethod
+    def all_cameras(layout: PrefixLayout) -> list[int]:
+        return list(range(len(layout.cameras)))
+
+    def full_prefix(self, obs: Observation) -> tuple[PrefixLayout, torch.Tensor]:
+        """Layout and [P, H] embeddings of the whole prefix (every camera through the tower)."""
+        layout, ids = self.layout_for(obs.instruction)
+        frames = self.frames(obs)
+        return layout, self.prefix_embeddings(obs, layout, ids, frames.pixels, self.all_cameras(layout))
+
+    @torch.inference_mode()
+    def engine_prefix_hidden(self, obs: Observation, plan: PrefixPlan | None = None) -> torch.Tensor:
+        """The engine's final hidden states of the prefix rows computed at the last layer."""
+        layout, ids = self.layout_for(obs.instruction)
+        self._prepare(layout)
+        frames = self.frames(obs)
+        if plan is None:
+            plan = PrefixPlan(layer_slots=[layout.all_slots()] * layout.num_layers)
+        rows = plan.layer_slots[0]
+        full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.image_rows(layout, rows))
+        step = StepPlan(slots=rows, positions=rows, layer_slots=plan.layer_slots, drop=plan.drop, output_slots=plan.layer_slots[-1])
+        return self.prefix_engine.forward(full[rows][None], step).hidden[0]
+
+    def frames(self, obs: Observation) -> Frames:
+        return preprocess_frames(obs.images, self.spec.cameras, self.spec.image_size)
+
+    def context(self, obs: Observation, layout: PrefixLayout, frames: Frames) -> PrefixContext:
+        return PrefixContext(
+            layout=layout, frames=frames.raw, instruction=obs.instruction, episode=obs.episode, stamp_ns=obs.stamp_ns
+        )
+
+    def next_chunk_id(self) -> int:
+        self._chunk_id += 1
+        return self._chunk_id
+
+    def reset(self) -> None:
+        self.planner.reset("explicit")
+        self._chunk_id = 0
+
+    @staticmethod
+    def image_rows(layout: PrefixLayout, rows: torch.Tensor) -> list[int]:
+        """Cameras that have at least one image token among ``rows`` (others skip the vision tower)."""
+        cams = []
+        for i in range(len(layout.cameras)):
+            s = layout.image_start + i * layout.tokens_per_camera
+            if bool(((rows >= s) & (rows < s + layout.tokens_per_camera)).any()):
+                cams.append(i)
+        return cams

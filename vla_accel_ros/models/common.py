@@ -1,0 +1,197 @@
+"""Pieces both VLA families share: vision tower, projector, tokenizer, image preprocessing,
+normalization, and the construction of transformers modules from bundle configs."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vla_accel_ros.core.errors import BundleError, ObservationError
+
+# Language models the engine can drive, by the ``model_type`` a bundle names.
+_LM_TYPES = ("llama", "qwen2")
+
+
+def _lm_classes(model_type: str):
+    if model_type == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+        return LlamaConfig, LlamaModel, LlamaForCausalLM
+    if model_type == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
+
+        return Qwen2Config, Qwen2Model, Qwen2ForCausalLM
+    raise BundleError(f"lm.model_type={model_type!r} is not supported; use one of {', '.join(_LM_TYPES)}")
+
+
+def lm_config(spec: Mapping[str, Any], where: str):
+    """A transformers config from a bundle's ``lm`` / ``expert`` section (sdpa attention)."""
+    spec = dict(spec)
+    model_type = spec.pop("model_type", "llama")
+    cfg_cls, _, _ = _lm_classes(model_type)
+    try:
+        cfg = cfg_cls(**spec)
+    except (TypeError, ValueError) as e:
+        raise BundleError(f"{where}: invalid {model_type} config: {e}") from e
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_decoder(spec: Mapping[str, Any], where: str, *, causal_lm: bool) -> nn.Module:
+    cfg = lm_config(spec, where)
+    _, base_cls, lm_cls = _lm_classes(cfg.model_type)
+    return lm_cls(cfg) if causal_lm else base_cls(cfg)
+
+
+def build_vision(spec: Mapping[str, Any]) -> nn.Module:
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    try:
+        cfg = SiglipVisionConfig(**{**dict(spec), "vision_use_head": False})
+    except (TypeError, ValueError) as e:
+        raise BundleError(f"vision: invalid SigLIP config: {e}") from e
+    cfg._attn_implementation = "sdpa"
+    return SiglipVisionModel(cfg)
+
+
+@contextlib.contextmanager
+def skip_init():
+    """Build modules without random init when weights are loaded right after (saves seconds)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: just initialize
+        yield
+        return
+    with no_init_weights():
+        yield
+
+
+class Projector(nn.Module):
+    """Vision features -> LM embedding space (OpenVLA/LLaVA-style 2-layer MLP)."""
+
+    def __init__(self, vision_dim: int, lm_dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(vision_dim, lm_dim)
+        self.fc2 = nn.Linear(lm_dim, lm_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class HashWordTokenizer:
+    """A deterministic word-level tokenizer that needs no vocabulary file.
+
+    Demo bundles have random weights, so any stable text -> ids map serves; this one yields
+    about as many tokens as a BPE tokenizer would (one per word or punctuation mark), which
+    keeps prefix lengths realistic. Id 0 is padding, 1 BOS, 2 EOS; words hash (FNV-1a) into
+    ``[offset, offset + text_vocab)``.
+    """
+
+    PAD, BOS, EOS = 0, 1, 2
+    _WORDS = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+
+    def __init__(self, text_vocab: int, offset: int = 3) -> None:
+        if text_vocab < 16:
+            raise BundleError(f"tokenizer.text_vocab={text_vocab} is too small (>= 16)")
+        self.text_vocab = text_vocab
+        self.offset = offset
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for word in self._WORDS.findall(text.lower()):
+            h = 0xCBF29CE484222325
+            for b in word.encode("utf-8"):
+                h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+            ids.append(self.offset + h % self.text_vocab)
+        return ids
+
+
+def format_instruction(template: str, instruction: str) -> str:
+    return template.replace("{instruction}", instruction.strip().rstrip(".?!").lower())
+
+
+@dataclass
+class Frames:
+    """Preprocessed camera frames of one observation.
+
+    raw:    [C, S, S, 3] uint8 at the model's resolution, what the token cache compares.
+    pixels: [C, 3, S, S] float32 normalized for the vision tower.
+    """
+
+    cameras: tuple[str, ...]
+    raw: torch.Tensor
+    pixels: torch.Tensor
+
+
+def resize_uint8(image: np.ndarray, size: int) -> torch.Tensor:
+    """[H, W, 3] uint8 -> [size, size, 3] uint8 (antialiased bilinear; no-op at size)."""
+    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise ObservationError(f"image must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+    t = torch.from_numpy(np.ascontiguousarray(image))
+    if image.shape[0] == size and image.shape[1] == size:
+        return t
+    x = t.permute(2, 0, 1)[None].float()  # [1, 3, H, W]
+    x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return x[0].permute(1, 2, 0).round_().clamp_(0, 255).to(torch.uint8)
+
+
+def preprocess_frames(images: Mapping[str, np.ndarray], cameras: tuple[str, ...], size: int) -> Frames:
+    missing = [c for c in cameras if c not in images]
+    if missing:
+        raise ObservationError(f"observation lacks camera(s) {', '.join(missing)}; has {', '.join(images) or 'none'}")
+    raw = torch.stack([resize_uint8(images[c], size) for c in cameras])  # [C, S, S, 3]
+    pixels = raw.permute(0, 3, 1, 2).float().div_(127.5).sub_(1.0)  # SigLIP: mean 0.5, std 0.5
+    return Frames(cameras=cameras, raw=raw, pixels=pixels)
+
+
+class Normalizer:
+    """Maps between robot units and the model's normalized space with the bundle's statistics."""
+
+    def __init__(self, stats: Mapping[str, Any], dim: int, where: str) -> None:
+        self.where = where
+        arrays = {}
+        for key, value in stats.items():
+            arr = np.asarray(value, dtype=np.float32)
+            if arr.shape != (dim,):
+                raise BundleError(f"{where}.{key} has shape {list(arr.shape)}, expected [{dim}]")
+            if not np.isfinite(arr).all():
+                raise BundleError(f"{where}.{key} contains non-finite values")
+            arrays[key] = arr
+        self.stats = arrays
+
+    def _need(self, *keys: str) -> list[np.ndarray]:
+        missing = [k for k in keys if k not in self.stats]
+        if missing:
+            raise BundleError(f"{self.where} lacks {', '.join(missing)}")
+        return [self.stats[k] for k in keys]
+
+    def normalize_meanstd(self, x: np.ndarray) -> np.ndarray:
+        mean, std = self._need("mean", "std")
+        return (x - mean) / np.maximum(std, 1e-6)
+
+    def unnormalize_meanstd(self, x: np.ndarray) -> np.ndarray:
+        mean, std = self._need("mean", "std")
+        return x * np.maximum(std, 1e-6) + mean
+
+    def unnormalize_bounds(self, x: np.ndarray) -> np.ndarray:
+        """[-1, 1] -> [q01, q99] (OpenVLA's BOUNDS_Q99 scheme)."""
+        lo, hi = self._need("q01", "q99")
+        return 0.5 * (x + 1.0) * (hi - lo) + lo
+
+
+def sincos_embedding(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
+    """Flow time t in [0, 1] -> [.., dim] sine-cosine features (pi0's scheme)."""
+    if dim % 2:
+        raise BundleError(f"time embedding dim {dim} must be even")
+    frac = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
+    period = min_period * (max_period / min_period) ** frac
+    ang = (2 * math.pi / period)[None] * t.double()[..., None]
+    return torch.cat([ang.sin(), ang.cos()], dim=-1).to(torch.float32)

@@ -1,0 +1,188 @@
+"""Build modules and policies from bundles; write random-weight demo bundles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from vla_accel_ros.core.bundle import Bundle, BundleSpec, count_parameters, load_bundle, save_bundle
+from vla_accel_ros.core.errors import BundleError, ConfigError, ParityError
+from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.prefix import FullRecompute, PrefixPlanner
+from vla_accel_ros.models.common import skip_init
+
+ALOHA_JOINTS = tuple(
+    f"{side}_{j}"
+    for side in ("left", "right")
+    for j in ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper")
+)
+ALOHA_START = np.array([0.0, -0.96, 1.16, 0.0, -0.3, 0.0, 0.5] * 2, dtype=np.float32)
+
+# Sizes of the demo bundles. ``tiny`` keeps tests fast; ``small`` (~130M parameters) is for
+# CPU benchmarks. The vision grid is OpenVLA's 16 x 16 (224 px, 14 px patches) in both.
+_SIZES = {
+    "tiny": {
+        "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+        "lm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+        "expert": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, head_dim=16),
+        "vocab": 1024,
+    },
+    "small": {
+        "vision": dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6),
+        "lm": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4),
+        "expert": dict(hidden_size=384, intermediate_size=1024, num_attention_heads=12, head_dim=64),
+        "vocab": 32000,
+    },
+}
+
+
+def build_model(spec: BundleSpec) -> nn.Module:
+    if spec.family == "ar":
+        from vla_accel_ros.models.ar import ArVLA
+
+        return ArVLA(spec)
+    from vla_accel_ros.models.flow import FlowVLA
+
+    return FlowVLA(spec)
+
+
+def demo_spec(
+    family: str,
+    size: str,
+    *,
+    cameras: tuple[str, ...] = ("cam_high",),
+    action_dim: int = 14,
+    chunk_size: int | None = None,
+    lm_type: str = "llama",
+) -> BundleSpec:
+    if size not in _SIZES:
+        raise ConfigError(f"size={size!r} is not one of {', '.join(_SIZES)}")
+    sz = _SIZES[size]
+    vocab = sz["vocab"]
+    lm = {"model_type": lm_type, **sz["lm"], "vocab_size": vocab, "max_position_embeddings": 4096, "rope_theta": 10000.0}
+    vision = {**sz["vision"], "image_size": 224, "patch_size": 14}
+    joints = ALOHA_JOINTS if action_dim == 14 else tuple(f"joint_{i}" for i in range(action_dim))
+    start = ALOHA_START if action_dim == 14 else np.zeros(action_dim, dtype=np.float32)
+    std = np.full(action_dim, 0.25, dtype=np.float32)
+    stats = {"mean": start, "std": std, "q01": start - 2.5 * std, "q99": start + 2.5 * std}
+    norm = {"action": {k: v.tolist() for k, v in stats.items()}}
+    common = dict(
+        cameras=cameras, image_size=224, patch_size=14, action_dim=action_dim, joint_names=joints,
+        vision=vision, dt=0.02,
+    )  # fmt: skip
+    if family == "ar":
+        return BundleSpec(
+            family="ar", name=f"demo-ar-{size}", text_vocab=vocab - 256 - 3, action_bins=256,
+            chunk_size=chunk_size or 1, norm_stats=norm, lm=lm, **common,
+        )  # fmt: skip
+    if family == "flow":
+        norm["state"] = {"mean": start.tolist(), "std": std.tolist()}
+        expert = {
+            "model_type": lm_type, **sz["expert"], "num_hidden_layers": lm["num_hidden_layers"],
+            "num_key_value_heads": lm["num_key_value_heads"], "vocab_size": 1, "max_position_embeddings": 4096,
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+            "rope_theta": 10000.0,
+        }  # fmt: skip
+        return BundleSpec(
+            family="flow", name=f"demo-flow-{size}", text_vocab=vocab - 3, chunk_size=chunk_size or 50,
+            num_steps=10, state_dim=action_dim, instruction_template="{instruction}", norm_stats=norm,
+            lm=lm, expert=expert, **common,
+        )  # fmt: skip
+    raise ConfigError(f"family={family!r} is not one of ar, flow")
+
+
+def create_demo_bundle(family: str, size: str, out: str | Path, *, seed: int = 0, **spec_kwargs) -> Path:
+    """Write a random-weight bundle (deterministic for a given seed)."""
+    spec = demo_spec(family, size, **spec_kwargs)
+    torch.manual_seed(seed)
+    model = build_model(spec)
+    return save_bundle(out, spec, model.state_dict())
+
+
+def model_from_bundle(bundle: Bundle) -> nn.Module:
+    with skip_init():
+        model = build_model(bundle.spec)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(bundle.state_dict))
+    unexpected = sorted(set(bundle.state_dict) - set(expected))
+    if missing or unexpected:
+        raise BundleError(
+            f"{bundle.path}: weights do not match the config: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    for name, tensor in bundle.state_dict.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise BundleError(f"{bundle.path}: {name} has shape {list(tensor.shape)}, config implies {list(expected[name].shape)}")
+        if not tensor.is_floating_point():
+            raise BundleError(f"{bundle.path}: {name} is {tensor.dtype}, expected a floating point tensor")
+    model.load_state_dict({k: v.to(torch.float32) for k, v in bundle.state_dict.items()}, strict=True)
+    return model.eval()
+
+
+def make_planner(config: PolicyConfig) -> PrefixPlanner:
+    if config.accel == "none":
+        return FullRecompute()
+    if config.accel == "cache":
+        try:
+            from vla_accel_ros.core.cache import TokenCachePlanner
+        except ImportError as e:
+            raise ConfigError("accel='cache' needs vla_accel_ros.core.cache, which is not available") from e
+        return TokenCachePlanner(config.cache)
+    raise ConfigError(f"accel={config.accel!r} has no planner")
+
+
+def load_policy(
+    bundle: str | Path | Bundle,
+    config: PolicyConfig | None = None,
+    *,
+    planner: PrefixPlanner | None = None,
+):
+    """A ready policy. With ``config.parity_check`` the accelerated path must pass the parity
+    gate first, or this raises :class:`ParityError` (the policy refuses to start)."""
+    config = config or PolicyConfig()
+    if not isinstance(bundle, Bundle):
+        bundle = load_bundle(bundle)
+    model = model_from_bundle(bundle)
+    planner = planner or make_planner(config)
+    if bundle.spec.family == "ar":
+        from vla_accel_ros.models.ar import ArPolicy
+
+        policy = ArPolicy(bundle.spec, model, config, planner)
+    else:
+        from vla_accel_ros.models.flow import FlowPolicy
+
+        policy = FlowPolicy(bundle.spec, model, config, planner)
+    if config.parity_check:
+        from vla_accel_ros.core.parity import run_parity
+
+        report = run_parity(policy, tolerance=config.parity_tolerance)
+        if not report.passed:
+            raise ParityError(f"{bundle.path}: parity gate failed, the policy refuses to start:\n{report.table()}")
+        policy.parity_report = report
+    return policy
+
+
+def describe(bundle: Bundle) -> str:
+    s = bundle.spec
+    lines = [
+        f"bundle      {bundle.path}",
+        f"name        {s.name} (family {s.family})",
+        f"parameters  {count_parameters(bundle.state_dict) / 1e6:.1f} M",
+        f"cameras     {', '.join(s.cameras)} at {s.image_size}px, {s.grid}x{s.grid} tokens each",
+        f"lm          {s.lm.get('model_type', 'llama')}: {s.lm['num_hidden_layers']} layers, hidden {s.lm['hidden_size']}, "
+        f"heads {s.lm['num_attention_heads']}/{s.lm.get('num_key_value_heads', s.lm['num_attention_heads'])} (q/kv)",
+    ]
+    if s.expert:
+        lines.append(f"expert      hidden {s.expert['hidden_size']}, {s.expert['num_hidden_layers']} layers")
+    lines += [
+        f"actions     chunk {s.chunk_size} x {s.action_dim}, dt {s.dt}s"
+        + (f", {s.num_steps} Euler steps" if s.family == "flow" else f", {s.action_dim * s.chunk_size} tokens from {s.action_bins} bins"),
+        f"joints      {', '.join(s.joint_names)}",
+        f"state       {s.state_dim or 'none'}",
+        f"template    {s.instruction_template!r}",
+        f"norm stats  {', '.join(sorted(s.norm_stats))}",
+    ]
+    return "\n".join(lines)

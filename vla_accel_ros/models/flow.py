@@ -1,0 +1,266 @@
+"""``flow``: a SmolVLA / pi0-style flow-matching policy.
+
+The VLM encodes ``[image tokens per camera] [prompt tokens] [state token]`` into a prefix
+with bidirectional attention. A smaller action expert (same depth, K/V heads and head size,
+narrower) embeds the noisy chunk x_t [H, D] with the flow time and, at every layer, attends to
+the VLM's cached prefix K/V plus its own chunk tokens. Euler integration runs from t = 1
+(noise) to t = 0 (actions): x <- x - (1/T) v(x, t).
+
+Invariant: the prefix K/V is computed once per observation and only read during the T
+solver steps (the expert computes the suffix rows only); ``test_flow_prefix_not_recomputed``
+proves it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vla_accel_ros.core.bundle import BundleSpec
+from vla_accel_ros.core.engine import DecoderStack, Engine, StepPlan
+from vla_accel_ros.core.errors import ObservationError
+from vla_accel_ros.core.kv_cache import Block, Segment
+from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlan, PrefixPlanner
+from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
+from vla_accel_ros.models.ar import plan_stats
+from vla_accel_ros.models.base import PolicyBase, StageTimer, VisionPrefix
+from vla_accel_ros.models.common import Normalizer, build_decoder, sincos_embedding
+
+
+class FlowVLA(nn.Module):
+    """The modules of a ``flow`` bundle (stock transformers decoders for VLM and expert)."""
+
+    def __init__(self, spec: BundleSpec) -> None:
+        super().__init__()
+        self.vlm = build_decoder(spec.lm, "lm", causal_lm=False)
+        self.expert = build_decoder(spec.expert, "expert", causal_lm=False)
+        hidden, width = self.vlm.config.hidden_size, self.expert.config.hidden_size
+        self.vis = VisionPrefix(spec, hidden)
+        self.state_proj = nn.Linear(spec.state_dim, hidden) if spec.state_dim else None
+        self.action_in = nn.Linear(spec.action_dim, width)
+        self.time_in = nn.Linear(2 * width, width)
+        self.time_out = nn.Linear(width, width)
+        self.action_out = nn.Linear(width, spec.action_dim)
+
+    def embed_ids(self, ids: list[int]) -> torch.Tensor:
+        return self.vlm.embed_tokens(torch.as_tensor(ids, dtype=torch.long))  # [T, H]
+
+    def suffix_embeddings(self, x_t: torch.Tensor, t: float) -> torch.Tensor:
+        """x_t: [B, H, D] noisy chunk at flow time t -> [B, H, W] expert inputs."""
+        a = self.action_in(x_t)
+        te = sincos_embedding(torch.tensor(t), a.shape[-1]).expand_as(a)
+        return self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
+
+
+def rtc_guidance_gain(t: float, max_guidance: float) -> float:
+    """RTC's clipped gain min(beta, (1 - tau) / (tau * r^2)) with tau = 1 - t (data at tau = 1)."""
+    tau = 1.0 - t
+    if tau <= 0.0:
+        return max_guidance
+    r2 = (1.0 - tau) ** 2 / (tau**2 + (1.0 - tau) ** 2)
+    if r2 <= 0.0:
+        return max_guidance
+    return min(max_guidance, (1.0 - tau) / (tau * r2))
+
+
+class FlowPolicy(PolicyBase):
+    family = "flow"
+
+    def __init__(self, spec: BundleSpec, model: FlowVLA, config: PolicyConfig, planner: PrefixPlanner | None = None) -> None:
+        super().__init__(spec, config, planner)
+        # Inference only; RTC differentiates w.r.t. the chunk, never the weights.
+        self.model = model.eval().requires_grad_(False)
+        self.vlm_stack = DecoderStack(model.vlm)
+        self.expert_stack = DecoderStack(model.expert)
+        g = spec.grid
+        self.max_prefix = len(spec.cameras) * g * g + spec.max_text_tokens + (1 if spec.state_dim else 0)
+        self.max_slots = self.max_prefix + spec.chunk_size
+        # One cache: the VLM writes the prefix rows, the expert writes and reads the chunk rows.
+        self.cache = self.vlm_stack.make_cache(self.max_slots)
+        self.vlm_engine = Engine(self.vlm_stack, self.cache, max_positions=self.max_slots)
+        self.expert_engine = Engine(self.expert_stack, self.cache, max_positions=self.max_slots)
+        self.prefix_engine = self.vlm_engine
+        self.action_norm = Normalizer(spec.norm_stats["action"], spec.action_dim, "norm_stats.action")
+        self.state_norm = (
+            Normalizer(spec.norm_stats["state"], spec.state_dim, "norm_stats.state") if spec.state_dim else None
+        )
+        self._layout_len = -1
+        self._rng = np.random.default_rng(config.seed)
+
+    @property
+    def num_steps(self) -> int:
+        return self.config.flow_steps or self.spec.num_steps
+
+    def _make_layout(self, text_len: int) -> PrefixLayout:
+        s = self.spec
+        n_img = len(s.cameras) * s.grid * s.grid
+        state_slot = n_img + text_len if s.state_dim else None
+        return PrefixLayout(
+            cameras=s.cameras, grid=s.grid, patch_size=s.patch_size, image_size=s.image_size,
+            image_start=0, text_start=n_img, text_len=text_len, state_slot=state_slot,
+            length=n_img + text_len + (1 if s.state_dim else 0), fixed_slots=(), attention="bidirectional",
+            num_layers=self.vlm_stack.num_layers,
+        )  # fmt: skip
+
+    def _prepare(self, layout: PrefixLayout) -> None:
+        self._set_cache_layout(layout.length)
+
+    def _set_cache_layout(self, length: int) -> None:
+        if length != self._layout_len:
+            # Prefix: one bidirectional block. Chunk: sees the prefix and itself.
+            self.cache.set_layout([Segment(0, (Block(length, "bidirectional"), Block(self.spec.chunk_size, "bidirectional")))])
+            self.cache.invalidate()
+            self._layout_len = length
+
+    def _state_embedding(self, state: np.ndarray | None) -> torch.Tensor:
+        s = self.spec
+        if state is None:
+            raise ObservationError(f"this flow bundle needs a {s.state_dim}-D state in the observation")
+        state = np.asarray(state, dtype=np.float32).reshape(-1)
+        if state.shape != (s.state_dim,):
+            raise ObservationError(f"observation state has {state.shape[0]} values, the bundle expects {s.state_dim}")
+        z = torch.from_numpy(self.state_norm.normalize_meanstd(state).astype(np.float32))
+        return self.model.state_proj(z)
+
+    def _static_prefix(self, layout: PrefixLayout, ids: list[int]) -> torch.Tensor:
+        static = torch.zeros(layout.length, self.model.vlm.config.hidden_size)
+        static[layout.text_start : layout.text_start + layout.text_len] = self.model.embed_ids(ids)
+        return static
+
+    def _dynamic_rows(self, full: torch.Tensor, obs: Observation, layout: PrefixLayout) -> None:
+        if layout.state_slot is not None:
+            full[layout.state_slot] = self._state_embedding(obs.state)
+
+    def _noise(self, noise: np.ndarray | None) -> torch.Tensor:
+        shape = (self.spec.chunk_size, self.spec.action_dim)
+        if noise is None:
+            noise = self._rng.standard_normal(shape).astype(np.float32)
+        noise = np.asarray(noise, dtype=np.float32)
+        if noise.shape != shape:
+            raise ObservationError(f"noise has shape {list(noise.shape)}, expected {list(shape)}")
+        return torch.from_numpy(noise.copy())[None]  # [1, H, D]
+
+    def velocity(self, x_t: torch.Tensor, t: float, length: int, *, differentiable: bool = False) -> torch.Tensor:
+        """One expert pass over the cached prefix.  x_t: [1, H, D] -> v: [1, H, D]"""
+        h = self.spec.chunk_size
+        slots = torch.arange(length, length + h)
+        plan = StepPlan(slots=slots, positions=slots, output_slots=slots)
+        if differentiable:
+            with torch.enable_grad():
+                out = self.expert_engine.forward(self.model.suffix_embeddings(x_t, t), plan, differentiable=True)
+                return self.model.action_out(out.hidden)
+        with torch.inference_mode():
+            out = self.expert_engine.forward(self.model.suffix_embeddings(x_t, t), plan)
+            return self.model.action_out(out.hidden)
+
+    def denoise(self, noise: torch.Tensor, length: int, guidance: ChunkGuidance | None = None) -> torch.Tensor:
+        """Euler from t=1 to t=0, optionally with Real-Time Chunking guidance.  -> [1, H, D]"""
+        steps = self.num_steps
+        dt = 1.0 / steps
+        x = noise
+        if guidance is None:
+            for i in range(steps):
+                t = 1.0 - i * dt
+                x = x - dt * self.velocity(x, t, length)
+            return x
+        y, w = self._guidance_targets(guidance)
+        for i in range(steps):
+            t = 1.0 - i * dt
+            x_in = x.detach().requires_grad_(True)
+            v = self.velocity(x_in, t, length, differentiable=True)
+            with torch.enable_grad():
+                x1_hat = x_in - t * v  # the data the current velocity points at
+                (g,) = torch.autograd.grad(x1_hat, x_in, grad_outputs=(y - x1_hat.detach()) * w)
+            # Move toward data (tau direction) and pull the predicted chunk toward the old one.
+            x = (x_in + dt * (-v + rtc_guidance_gain(t, guidance.max_guidance) * g)).detach()
+        return x
+
+    def _guidance_targets(self, guidance: ChunkGuidance) -> tuple[torch.Tensor, torch.Tensor]:
+        h, d = self.spec.chunk_size, self.spec.action_dim
+        prev = np.asarray(guidance.prev_actions, dtype=np.float32)
+        weights = np.asarray(guidance.weights, dtype=np.float32).reshape(-1)
+        if prev.ndim != 2 or prev.shape[1] != d or weights.shape[0] != h:
+            raise ObservationError(f"guidance needs prev_actions [<= {h}, {d}] and weights [{h}]")
+        y = np.zeros((h, d), dtype=np.float32)
+        n = min(h, prev.shape[0])
+        y[:n] = self.action_norm.normalize_meanstd(prev[:n])
+        w = np.zeros(h, dtype=np.float32)
+        w[:n] = weights[:n]
+        return torch.from_numpy(y)[None], torch.from_numpy(w)[None, :, None]
+
+    def infer(self, obs: Observation, *, noise: np.ndarray | None = None, guidance: ChunkGuidance | None = None) -> ActionChunk:
+        timer = StageTimer()
+        with timer.stage("preprocess"):
+            layout, ids = self.layout_for(obs.instruction)
+            self._set_cache_layout(layout.length)
+            frames = self.frames(obs)
+            ctx = self.context(obs, layout, frames)
+            x0 = self._noise(noise)
+        with timer.stage("select"):
+            plan = self.planner.plan(ctx)
+        rows = plan.layer_slots[0]
+        with timer.stage("vision"):
+            full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.image_rows(layout, rows))
+        with timer.stage("prefill"):
+            step = StepPlan(slots=rows, positions=rows, layer_slots=plan.layer_slots, drop=plan.drop, taps=plan.taps)
+            out = self.vlm_engine.forward(full[rows][None], step)
+        with timer.stage("select"):
+            self.planner.update(ctx, plan, out.taps)
+        with timer.stage("denoise"):
+            x = self.denoise(x0, layout.length, guidance)
+        with timer.stage("postprocess"):
+            actions = self.action_norm.unnormalize_meanstd(x[0].detach().numpy()).astype(np.float32)
+            if guidance is not None and guidance.frozen > 0:
+                # The frozen prefix executes from the old chunk anyway; return it exactly.
+                d = min(guidance.frozen, actions.shape[0], len(guidance.prev_actions))
+                actions[:d] = np.asarray(guidance.prev_actions, dtype=np.float32)[:d]
+        stats = plan_stats(plan, layout, out.computed_per_layer, self.planner.name)
+        stats["flow_steps"] = self.num_steps
+        return ActionChunk(
+            actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, chunk_id=self.next_chunk_id(),
+            joint_names=self.spec.joint_names, timings_ms=timer.finish(), stats=stats,
+        )  # fmt: skip
+
+    # -- the plain transformers path: parity gate and benchmark baseline -------------------------
+    @torch.inference_mode()
+    def reference_infer(self, obs: Observation, *, noise: np.ndarray | None = None) -> ActionChunk:
+        """transformers' own forwards: the VLM prefix once into a DynamicCache, then per Euler
+        step the expert over that cache (cropped back to the prefix after each step)."""
+        timer = StageTimer()
+        with timer.stage("preprocess"):
+            layout, ids = self.layout_for(obs.instruction)
+            frames = self.frames(obs)
+            x = self._noise(noise)
+        with timer.stage("vision"):
+            full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.all_cameras(layout))
+        p, h = layout.length, self.spec.chunk_size
+        with timer.stage("prefill"):
+            mask = torch.ones(1, 1, p, p, dtype=torch.bool)
+            pkv = self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True).past_key_values
+        with timer.stage("denoise"):
+            dt = 1.0 / self.num_steps
+            pos = torch.arange(p, p + h)[None]
+            smask = torch.ones(1, 1, h, p + h, dtype=torch.bool)
+            for i in range(self.num_steps):
+                t = 1.0 - i * dt
+                emb = self.model.suffix_embeddings(x, t)
+                hid = self.model.expert(
+                    inputs_embeds=emb, attention_mask=smask, position_ids=pos, past_key_values=pkv, use_cache=True
+                ).last_hidden_state
+                pkv.crop(-h)  # drop this step's chunk rows, keep the prefix
+                x = x - dt * self.model.action_out(hid)
+        with timer.stage("postprocess"):
+            actions = self.action_norm.unnormalize_meanstd(x[0].numpy()).astype(np.float32)
+        return ActionChunk(
+            actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, joint_names=self.spec.joint_names,
+            timings_ms=timer.finish(), stats={"mode": "transformers"},
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def reference_prefix_hidden(self, obs: Observation) -> torch.Tensor:
+        layout, full = self.full_prefix(obs)
+        mask = torch.ones(1, 1, layout.length, layout.length, dtype=torch.bool)
+        return self.model.vlm(inputs_embeds=full[None], attention_mask=mask).last_hidden_state[0]
