@@ -239,3 +239,26 @@ def test_rejects_unsupported_decoders():
         DecoderStack(Qwen2Model(cfg))
     with pytest.raises(TypeError, match="layers"):
         DecoderStack(torch.nn.Linear(2, 2))
+
+
+def test_bidirectional_prefix_matches_transformers_with_a_full_mask(model):
+    # pi0/SmolVLA prefix: every prefix token sees every other; then a chunk block sees all.
+    P, H = 36, 8
+    eng = _engine(model, slots=64, segments=[Segment(0, (Block(P, "bidirectional"), Block(H, "bidirectional")))])
+    x = torch.randn(1, P, 64)
+    full = torch.ones(1, 1, P, P, dtype=torch.bool)
+    out = eng.forward(x, StepPlan(slots=_all(P), positions=_all(P), output_slots=_all(P)))
+    ref = _hf(model, x, mask=full)
+    assert (out.hidden - ref).abs().max() <= TOL
+    # Identical input, image tokens 0..29 reused at every layer, 30..35 recomputed: exact.
+    rest = torch.arange(30, P)
+    again = eng.forward(x[:, 30:], StepPlan(slots=rest, positions=rest, output_slots=rest))
+    assert (again.hidden - ref[:, 30:]).abs().max() <= TOL
+    # The chunk block attends to the whole prefix and itself.
+    xs = torch.randn(1, H, 64)
+    chunk = torch.arange(P, P + H)
+    got = eng.forward(xs, StepPlan(slots=chunk, positions=chunk, output_slots=chunk)).hidden
+    block = torch.ones(1, 1, P + H, P + H, dtype=torch.bool)
+    block[..., :P, P:] = False  # the prefix does not see the chunk
+    ref_all = _hf(model, torch.cat([x, xs], 1), mask=block)
+    assert (got - ref_all[:, P:]).abs().max() <= TOL
