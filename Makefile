@@ -31,7 +31,17 @@ $(STAMPS)/venv:
 	$(BIN)/python -m pip install -q --upgrade "pip>=24"
 	mkdir -p $(STAMPS) && touch $@
 
-$(STAMPS)/deps: requirements.txt requirements-ros.txt requirements-sim.txt requirements-dev.txt $(STAMPS)/venv
+# MuJoCo renders through EGL (Mesa on CPU). Present on the development image; installed from
+# Debian when a fresh machine lacks it.
+SYSTEM_PKGS := libegl1 libegl-mesa0 libgl1-mesa-dri libopengl0
+$(STAMPS)/system: | $(STAMPS)/venv
+	if ! ldconfig -p | grep -q 'libEGL_mesa.so.0'; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(SYSTEM_PKGS); \
+	fi
+	touch $@
+
+$(STAMPS)/deps: $(STAMPS)/system requirements.txt requirements-ros.txt requirements-sim.txt requirements-dev.txt $(STAMPS)/venv
 	$(BIN)/pip install -q -r requirements.txt -r requirements-ros.txt -r requirements-sim.txt -r requirements-dev.txt
 	touch $@
 

@@ -16,6 +16,8 @@ COMMANDS = (
     "vla_accel_ros.cli.bench_cmd",
     "vla_accel_ros.cli.demo_cmd",
     "vla_accel_ros.cli.sched_cmd",
+    "vla_accel_ros.cli.sim_cmd",
+    "vla_accel_ros.cli.bag_cmd",
 )
 
 

@@ -27,3 +27,7 @@ class ObservationError(VlaAccelError, ValueError):
 
 class SchedulerError(VlaAccelError, ValueError):
     """A chunk or call the scheduler cannot honour (shape, non-finite actions, rate mismatch)."""
+
+
+class BagError(VlaAccelError):
+    """A rosbag2 file cannot be written or read (missing, malformed, unsupported content)."""

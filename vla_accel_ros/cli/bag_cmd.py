@@ -1,0 +1,22 @@
+"""``vla-accel bag inspect``: topics, counts, rates, duration and episodes of a rosbag2 bag."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bag", help="rosbag2 bags (MCAP, sqlite3) without ROS")
+    bsub = p.add_subparsers(dest="bag_command", metavar="ACTION", required=True)
+    i = bsub.add_parser("inspect", help="print topics, message counts, duration and episodes")
+    i.add_argument("path", help="bag directory, or a single .mcap / .db3 file")
+    i.set_defaults(func=_inspect)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from vla_accel_ros.io.bags import BagReader, bag_size_bytes
+
+    with BagReader(args.path) as bag:
+        print(bag.summary())
+    print(f"size:      {bag_size_bytes(args.path) / 2**20:.1f} MiB")
+    return 0
