@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vla_accel_ros.core.cache.config import CacheConfig
 from vla_accel_ros.core.config import Config, param
 
 
@@ -21,3 +22,4 @@ class PolicyConfig(Config):
     num_threads: int = param(0, doc="torch CPU threads (0: leave torch's default)", range=(0, 256), read_only=True)
     flow_steps: int = param(0, doc="flow: Euler steps per chunk (0: the bundle's num_steps)", range=(0, 1000))
     seed: int = param(0, doc="seed of the flow noise when the caller passes none", range=(0, 2**31 - 1))
+    cache: CacheConfig = CacheConfig()  # accel=cache: the token cache's knobs (ROS: cache.*)

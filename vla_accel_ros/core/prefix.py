@@ -82,6 +82,9 @@ class PrefixContext:
     instruction: str
     episode: int
     stamp_ns: int
+    # The model and KV cache this prefix runs on (one per policy instance): a planner that
+    # carries cached state across frames resets when it changes (a bundle swap).
+    source: str = ""
 
 
 class PrefixPlanner(Protocol):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -52,6 +53,9 @@ class VisionPrefix(nn.Module):
         return self.projector(feats)
 
 
+_INSTANCES = itertools.count()
+
+
 class PolicyBase:
     """Prefix bookkeeping common to :class:`ArPolicy` and :class:`FlowPolicy`."""
 
@@ -65,6 +69,8 @@ class PolicyBase:
         self._layouts: dict[str, tuple[PrefixLayout, list[int]]] = {}
         self._static: dict[str, torch.Tensor] = {}
         self._chunk_id = 0
+        # Names this policy's KV cache in every PrefixContext (a counter, never reused like id()).
+        self.source = f"{spec.name}#{next(_INSTANCES)}"
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
 
@@ -145,6 +151,9 @@ class PolicyBase:
             plan = PrefixPlan(layer_slots=[layout.all_slots()] * layout.num_layers)
         rows = plan.layer_slots[0]
         full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.image_rows(layout, rows))
+        # This writes prefix K/V behind the planner's back: a caching planner must not trust
+        # what it cached before.
+        self.planner.reset("external prefix write")
         step = StepPlan(slots=rows, positions=rows, layer_slots=plan.layer_slots, drop=plan.drop, output_slots=plan.layer_slots[-1])
         return self.prefix_engine.forward(full[rows][None], step).hidden[0]
 
@@ -153,7 +162,8 @@ class PolicyBase:
 
     def context(self, obs: Observation, layout: PrefixLayout, frames: Frames) -> PrefixContext:
         return PrefixContext(
-            layout=layout, frames=frames.raw, instruction=obs.instruction, episode=obs.episode, stamp_ns=obs.stamp_ns
+            layout=layout, frames=frames.raw, instruction=obs.instruction, episode=obs.episode, stamp_ns=obs.stamp_ns,
+            source=self.source,
         )
 
     def next_chunk_id(self) -> int:
