@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 PACKAGE = "vla_accel_ros"
 VERSION = re.search(r"<version>([^<]+)</version>", (HERE / "package.xml").read_text()).group(1)
 
-NODES = ("camera_node", "policy_node", "action_controller_node", "aloha_sim_node")
+NODES = ("camera_node", "policy_node", "action_controller_node", "aloha_sim_node", "synthetic_sensors_node")
 
 
 def share(subdir: str) -> tuple[str, list[str]]:

@@ -18,6 +18,8 @@ COMMANDS = (
     "vla_accel_ros.cli.sched_cmd",
     "vla_accel_ros.cli.sim_cmd",
     "vla_accel_ros.cli.bag_cmd",
+    "vla_accel_ros.cli.bringup_cmd",
+    "vla_accel_ros.cli.record_cmd",
 )
 
 

@@ -1,0 +1,162 @@
+"""One description of the graph, two starters: launch/aloha.launch.py and `vla-accel bringup`.
+
+launch and launch_ros are not installable from PyPI, so the launch file is compiled, checked
+for the shared description, and executed against minimal stand-ins of the four launch classes
+it uses (they only record their arguments): the nodes it would start must be exactly the
+description's."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vla_accel_ros.core.config import unflatten
+from vla_accel_ros.ros.graph import CAMERA, CONTROLLER, POLICY, SIM, SYNTHETIC, describe, node_parameters
+
+pytestmark = pytest.mark.ros
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "launch" / "aloha.launch.py"
+REQUIRED_ARGS = {"params_file", "bundle", "sim", "record", "namespace", "use_sim_time"}
+
+
+def test_launch_file_compiles_and_uses_the_shared_description():
+    src = LAUNCH.read_text()
+    tree = ast.parse(src)
+    compile(tree, str(LAUNCH), "exec")
+    imports = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert ("vla_accel_ros.ros.graph", "describe") in imports
+    assert ("launch_ros.actions", "Node") in imports
+    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert {"describe", "Node", "generate_launch_description"} & calls >= {"describe", "Node"}
+    declared = next(n for n in ast.walk(tree) if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "ARGUMENTS")
+    names = {elt.elts[0].value for elt in declared.value.elts}
+    assert REQUIRED_ARGS <= names
+
+
+class _Recorder:
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
+def _fake_launch(monkeypatch):
+    """Stand-ins for the launch classes the file uses; they record what they are given."""
+
+    class LaunchConfiguration:
+        def __init__(self, name):
+            self.name = name
+
+        def perform(self, context):
+            return context[self.name]
+
+    mods = {
+        "launch": types.ModuleType("launch"),
+        "launch.actions": types.ModuleType("launch.actions"),
+        "launch.substitutions": types.ModuleType("launch.substitutions"),
+        "launch_ros": types.ModuleType("launch_ros"),
+        "launch_ros.actions": types.ModuleType("launch_ros.actions"),
+    }
+    mods["launch"].LaunchDescription = type("LaunchDescription", (_Recorder,), {})
+    for name in ("DeclareLaunchArgument", "ExecuteProcess", "LogInfo", "OpaqueFunction"):
+        setattr(mods["launch.actions"], name, type(name, (_Recorder,), {}))
+    mods["launch.substitutions"].LaunchConfiguration = LaunchConfiguration
+    mods["launch_ros.actions"].Node = type("Node", (_Recorder,), {})
+    for k, m in mods.items():
+        monkeypatch.setitem(sys.modules, k, m)
+
+
+def _run_launch(monkeypatch, **args):
+    _fake_launch(monkeypatch)
+    ns: dict = {}
+    exec(compile(LAUNCH.read_text(), str(LAUNCH), "exec"), ns)  # noqa: S102 - our own launch file
+    ld = ns["generate_launch_description"]()
+    entities = ld.args[0]
+    declared = {e.args[0]: e.kwargs["default_value"] for e in entities if type(e).__name__ == "DeclareLaunchArgument"}
+    context = {**declared, **args}
+    opaque = next(e for e in entities if type(e).__name__ == "OpaqueFunction")
+    return declared, opaque.kwargs["function"](context)
+
+
+def test_launch_starts_exactly_the_described_nodes(monkeypatch, tiny_bundles):
+    bundle = str(tiny_bundles["flow"])
+    declared, actions = _run_launch(monkeypatch, bundle=bundle, namespace="vla", record="true")
+    assert REQUIRED_ARGS <= set(declared)
+    graph = describe(bundle=bundle, namespace="vla", record=True)
+    nodes = [a for a in actions if type(a).__name__ == "Node"]
+    assert [n.kwargs["name"] for n in nodes] == [s.name for s in graph.nodes] == [CAMERA, POLICY, CONTROLLER]
+    for n, spec in zip(nodes, graph.nodes):
+        assert n.kwargs["executable"] == spec.executable and n.kwargs["package"] == "vla_accel_ros"
+        assert n.kwargs["namespace"] == "vla"
+        params_file, overrides = n.kwargs["parameters"]
+        assert params_file == graph.params_file and Path(params_file).name == "aloha.yaml"
+        assert overrides == {**spec.parameters, "use_sim_time": False}
+    assert nodes[1].kwargs["parameters"][1]["bundle"] == str(Path(bundle).resolve())
+    assert nodes[0].kwargs["parameters"][1]["observation_transport"] == "topic"  # separate processes
+    bag = next(a for a in actions if type(a).__name__ == "ExecuteProcess")
+    cmd = bag.kwargs["cmd"]
+    assert cmd[:3] == ["ros2", "bag", "record"] and "/vla/action_chunk" in cmd and "/diagnostics" in cmd
+
+
+def test_sim_switch_adds_the_simulator_or_says_why_not(monkeypatch):
+    graph = describe(sim=True)
+    sim = graph.node(SIM)
+    assert sim.optional and sim.module == "vla_accel_ros.ros.aloha_sim_node"
+    assert graph.node(CONTROLLER).parameters["safety.start_enabled"] is True  # a real arm starts disabled
+    assert "safety.start_enabled" not in describe().node(CONTROLLER).parameters
+    _, actions = _run_launch(monkeypatch, sim="true")
+    names = [a.kwargs["name"] for a in actions if type(a).__name__ == "Node"]
+    if sim.available():
+        assert SIM in names
+    else:
+        assert SIM not in names
+        assert any("skipping aloha_sim_node" in a.kwargs["msg"] for a in actions if type(a).__name__ == "LogInfo")
+
+
+def test_description_fits_cameras_to_the_bundle_and_reads_the_file_like_rcl(tmp_path, tiny_bundles):
+    g = describe(bundle=tiny_bundles["flow"], synthetic_camera=True, shared_observations=True)
+    cam = g.node(CAMERA).parameters
+    assert cam["cameras"] == ["cam_high"] and cam["topics"] == ["/cam_high/camera/color/image_rect_raw"]
+    assert cam["image_size"] == 224 and cam["observation_transport"] == "shared"
+    assert g.node(SYNTHETIC).parameters["camera_topics"] == cam["topics"]
+    params = yaml.safe_load((ROOT / "config" / "aloha.yaml").read_text())
+    flat = node_parameters(params, CONTROLLER)
+    assert flat["scheduler.control_rate_hz"] == 50.0 and flat["robot.gripper.joint_open"] == 1.6214  # /** applies
+    assert "cameras" not in flat
+    custom = {"/**": {"ros__parameters": {"a": 1}}, "/vla/policy_node": {"ros__parameters": {"a": 2, "b": {"c": 3}}}}
+    assert node_parameters(custom, POLICY, "vla") == {"a": 2, "b.c": 3}
+    assert node_parameters(custom, POLICY) == {"a": 1}
+
+
+def test_the_description_and_the_core_import_without_rclpy(tmp_path):
+    code = (
+        "import sys, vla_accel_ros.ros.graph as g, vla_accel_ros.core.robot.safety, vla_accel_ros.core.robot.motion, "
+        "vla_accel_ros.core.robot.images, vla_accel_ros.core.robot.observation; g.describe(); "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('rclpy', 'launch', 'launch_ros')]; "
+        "assert not bad, bad; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_every_key_in_the_parameter_file_is_a_declared_parameter():
+    """ROS silently ignores a parameter-file key no node declares: a typo would never apply."""
+    from vla_accel_ros.core.robot.config import CameraConfig, ControllerConfig, PolicyNodeConfig
+    from vla_accel_ros.ros.params import leaf_specs
+    from vla_accel_ros.ros.synthetic_sensors_node import SyntheticConfig
+
+    params = yaml.safe_load((ROOT / "config" / "aloha.yaml").read_text())
+    configs = {CAMERA: CameraConfig, POLICY: PolicyNodeConfig, CONTROLLER: ControllerConfig, SYNTHETIC: SyntheticConfig}
+    for node, cls in configs.items():
+        declared = {s.name for s in leaf_specs(cls)} | {"use_sim_time"}
+        keys = set(node_parameters(params, node))
+        if node == CAMERA:
+            keys = {k for k in keys if not k.startswith("robot.")}  # /** is for the nodes that declare robot.*
+        assert keys <= declared, f"{node}: {sorted(keys - declared)} are not parameters of {cls.__name__}"
+        values = {k: v for k, v in node_parameters(params, node).items() if k in declared and k != "use_sim_time"}
+        cls.from_dict(unflatten(values))  # and the values build a valid config

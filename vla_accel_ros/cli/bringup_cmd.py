@@ -1,0 +1,124 @@
+"""``vla-accel bringup``: start the ROS graph from the parameter file without launch_ros.
+
+The same description (``vla_accel_ros.ros.graph.describe``) and the same YAML as
+``ros2 launch vla_accel_ros aloha.launch.py``, in one process: camera, policy and action
+controller nodes on one MultiThreadedExecutor, observations handed from camera to policy
+through a shared latest-only buffer. ``--duration S`` runs S seconds and prints what flowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bringup",
+        help="start the camera, policy and controller nodes (no launch_ros needed)",
+        description="Starts the graph of launch/aloha.launch.py in one process from the same parameter "
+        "file. Needs rclpy (the ROS 2 wheels `make setup` installs, or a sourced ROS install).",
+    )
+    p.add_argument("--params", type=Path, metavar="F", help="ROS 2 parameter file (default: config/aloha.yaml)")
+    p.add_argument("--bundle", type=Path, metavar="B", help="model bundle for the policy node")
+    p.add_argument(
+        "--sim", action="store_true",
+        help="also start the simulated ALOHA (aloha_sim_node); every node then runs on its /clock (sim time)",
+    )  # fmt: skip
+    p.add_argument(
+        "--record", type=Path, metavar="BAG",
+        help="also record the graph's topics (the aloha.launch.py record:=true list) to a new MCAP bag",
+    )  # fmt: skip
+    p.add_argument(
+        "--synthetic-camera", action="store_true",
+        help="also start a synthetic camera + perfect arm (moving_arm_frames, joint states that follow the commands)",
+    )  # fmt: skip
+    p.add_argument("--duration", type=float, metavar="S",
+                   help="run S seconds of closed loop (counted from the policy's readiness), then stop and print a summary")
+    p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
+                   help="give up when the policy is not ready after S seconds (loading + parity gate)")
+    p.add_argument("--namespace", default="", help="namespace of the graph's nodes and topics")
+    p.add_argument("--use-sim-time", action="store_true", help="nodes follow /clock")
+    p.add_argument("--topic-observations", action="store_true",
+                   help="send observations camera -> policy over the Observation topic instead of in memory")
+    p.add_argument("--domain-id", type=int, help="ROS_DOMAIN_ID for this graph (default: the environment's)")
+    p.add_argument("--json", type=Path, metavar="OUT", help="also write the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vla_accel_ros.ros.graph import describe  # noqa: PLC0415 - no rclpy needed to describe
+
+    graph = describe(
+        params_file=args.params,
+        bundle=args.bundle,
+        sim=args.sim,
+        synthetic_camera=args.synthetic_camera,
+        namespace=args.namespace,
+        use_sim_time=args.use_sim_time,
+        shared_observations=not args.topic_observations,
+    )
+    try:
+        from vla_accel_ros.ros import bringup  # noqa: PLC0415 - imports rclpy
+    except ImportError as e:
+        print(f"vla-accel bringup needs rclpy ({e}); run `make setup` or source a ROS 2 install")
+        return 2
+    for note in graph.notes:
+        print(f"note: {note}")
+    print(f"parameters {graph.params_file}; nodes: {', '.join(n.name for n in graph.nodes)}")
+    if args.record is not None and args.record.exists():
+        print(f"vla-accel bringup: {args.record} exists already; rosbag2 bags are never overwritten")
+        return 2
+    running = bringup.start(graph, domain_id=args.domain_id)
+    summary = None
+    code = 0
+    try:
+        if args.record is not None:
+            _start_recorder(running, args.record)
+        t0 = time.monotonic()
+        status = running.wait_ready(args.startup_timeout)
+        if status:
+            print(f"vla-accel bringup: {status}")
+            code = 1
+        else:
+            print(f"policy ready after {time.monotonic() - t0:.1f} s; closed loop running")
+            running.reset_stats()  # the summary describes the closed loop, not the start-up
+            deadline = None if args.duration is None else time.monotonic() + args.duration
+            while deadline is None or time.monotonic() < deadline:
+                time.sleep(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic())))
+                if running.thread is not None and not running.thread.is_alive():
+                    print("the executor stopped")
+                    code = 1
+                    break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        summary = running.summary()
+        running.shutdown()
+    print(bringup.format_summary(summary))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return code
+
+
+def _start_recorder(running, out: Path) -> None:
+    """The graph's recording list into ``out``, on the graph's executor and clock."""
+    from rclpy.parameter import Parameter  # noqa: PLC0415
+
+    from vla_accel_ros.ros.recorder import RecorderNode  # noqa: PLC0415
+
+    g = running.graph
+    kwargs = dict(
+        context=running.context,
+        parameter_overrides=[
+            Parameter("out", value=str(out)),
+            Parameter("topics", value=g.resolved_record_topics()),
+            Parameter("clock", value="sim" if g.use_sim_time else "wall"),
+        ],
+    )
+    if g.namespace:
+        kwargs["namespace"] = g.namespace
+    running.add_node("vla_recorder", RecorderNode(**kwargs))
+    print(f"recording {len(g.resolved_record_topics())} topics to {out}")

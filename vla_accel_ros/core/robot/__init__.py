@@ -1,0 +1,13 @@
+"""The robot side of the ROS graph, without ROS: everything the camera, policy and action
+controller nodes decide, as plain Python and NumPy so it is unit-tested without rclpy.
+
+Modules:
+    ``images``       raw ``sensor_msgs/Image`` fields -> RGB uint8, compressed decoding
+    ``observation``  per-camera latest frames, assembly with max age / skew, latest-only slots
+    ``state``        joint-state topics -> the policy's state vector; gripper maps
+    ``kinematics``   ViperX 300 s forward kinematics (ALOHA's follower arm)
+    ``motion``       end-effector / joint speed estimates and the coarse|fine switch
+    ``safety``       joint limits, per-step clamp, watchdog, e-stop and enable state
+    ``loop_stats``   control-loop rate, jitter and latency statistics for diagnostics
+    ``config``       the validated configs the nodes mirror as ROS parameters
+"""

@@ -1,0 +1,277 @@
+"""The configs the ROS nodes mirror as parameters (one parameter per field, dotted names for
+nested configs: ``safety.max_step``, ``policy.cache.sim_threshold``).
+
+``config/aloha.yaml`` is the source of truth for deployed values; the defaults here are the
+ALOHA conventions so a node started without a parameter file still talks to an ALOHA.
+Fields marked ``read_only`` change shapes, topics or threads and are fixed at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.scheduling.config import SchedulerConfig
+
+ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate")
+ALOHA_ARMS = ("left", "right")
+ALOHA_JOINT_NAMES = tuple(f"{a}_{j}" for a in ALOHA_ARMS for j in (*ARM_JOINTS, "gripper"))
+ALOHA_CAMERAS = ("cam_high", "cam_low", "cam_left_wrist", "cam_right_wrist")
+
+BACKENDS = ("joint_state", "float64_multi_array", "joint_trajectory", "interbotix", "ee_pose", "ee_twist")
+
+
+@dataclass(frozen=True)
+class GripperConfig(Config):
+    """Normalized gripper [0 closed, 1 open] <-> the robot's units (Interbotix constants)."""
+
+    state_source: str = param(
+        "finger",
+        doc="where the gripper state comes from: finger (finger position in m, e.g. left_finger), "
+        "joint (gripper joint angle in rad) or normalized (already in [0, 1])",
+        choices=("finger", "joint", "normalized"),
+    )
+    command_units: str = param(
+        "joint", doc="units of gripper commands: joint (rad, via joint_open/close) or normalized", choices=("joint", "normalized")
+    )
+    finger_joint: str = param("left_finger", doc="joint_states name whose position is the finger opening (m)")
+    gripper_joint: str = param("gripper", doc="joint_states / command name of the gripper joint")
+    finger_open: float = param(0.0579, doc="finger position when open, m", range=(-1.0, 1.0))
+    finger_close: float = param(0.0440, doc="finger position when closed, m", range=(-1.0, 1.0))
+    joint_open: float = param(1.6214, doc="gripper joint command when open, rad", range=(-6.3, 6.3))
+    joint_close: float = param(0.6197, doc="gripper joint command when closed, rad", range=(-6.3, 6.3))
+
+    def validate(self) -> None:
+        if self.finger_open == self.finger_close:
+            raise ConfigError("GripperConfig.finger_open and finger_close must differ (the map divides by their difference)")
+        if self.joint_open == self.joint_close:
+            raise ConfigError("GripperConfig.joint_open and joint_close must differ")
+
+
+@dataclass(frozen=True)
+class RobotConfig(Config):
+    """The action / state layout and where joint states come from."""
+
+    joint_names: tuple[str, ...] = param(
+        ALOHA_JOINT_NAMES, doc="one name per action dimension (the bundle's joint_names)", read_only=True
+    )
+    arms: tuple[str, ...] = param(
+        ALOHA_ARMS, doc="arm prefixes: joint '<arm>_<joint>' belongs to arm <arm>", read_only=True
+    )
+    joint_state_topics: tuple[str, ...] = param(
+        ("/follower_left/joint_states", "/follower_right/joint_states"),
+        doc="sensor_msgs/JointState topics the state is read from",
+        read_only=True,
+    )
+    joint_state_prefixes: tuple[str, ...] = param(
+        ("left_", "right_"), doc="per topic: prefix that turns a joint_states name into a joint_names entry", read_only=True
+    )
+    grippers: tuple[str, ...] = param(
+        ("left_gripper", "right_gripper"), doc="joint_names entries that are normalized grippers", read_only=True
+    )
+    gripper: GripperConfig = param(GripperConfig(), doc="gripper maps")
+
+    def validate(self) -> None:
+        if len(set(self.joint_names)) != len(self.joint_names) or not self.joint_names:
+            raise ConfigError(f"RobotConfig.joint_names must be unique and non-empty, got {list(self.joint_names)}")
+        if len(self.joint_state_prefixes) != len(self.joint_state_topics):
+            raise ConfigError(
+                f"RobotConfig.joint_state_prefixes has {len(self.joint_state_prefixes)} entries, "
+                f"joint_state_topics {len(self.joint_state_topics)}: give one prefix per topic ('' for none)"
+            )
+        unknown = [g for g in self.grippers if g not in self.joint_names]
+        if unknown:
+            raise ConfigError(f"RobotConfig.grippers {unknown} are not in joint_names")
+
+    @property
+    def dim(self) -> int:
+        return len(self.joint_names)
+
+
+@dataclass(frozen=True)
+class CameraConfig(Config):
+    cameras: tuple[str, ...] = param(ALOHA_CAMERAS, doc="camera names, in the policy's camera order", read_only=True)
+    topics: tuple[str, ...] = param(
+        tuple(f"/{c}/camera/color/image_rect_raw" for c in ALOHA_CAMERAS),
+        doc="one image topic per camera (realsense2_camera >= 4.55 layout)",
+        read_only=True,
+    )
+    transports: tuple[str, ...] = param(
+        ("raw",), doc="per camera (or one for all): raw (sensor_msgs/Image) or compressed (CompressedImage)",
+        choices=("raw", "compressed"), read_only=True,
+    )  # fmt: skip
+    max_age_ms: float = param(100.0, doc="an observation's oldest frame may be at most this old", range=(1.0, 60_000.0))
+    max_skew_ms: float = param(40.0, doc="the frames of one observation must lie within this span", range=(0.0, 60_000.0))
+    image_size: int = param(224, doc="square size frames are resized to (the bundle's image_size; 0: keep)", range=(0, 4096), read_only=True)
+    observation_transport: str = param(
+        "topic", doc="topic (vla_accel_ros/Observation) or shared (latest-only buffer, nodes in one process)",
+        choices=("topic", "shared"), read_only=True,
+    )  # fmt: skip
+    shared_channel: str = param("observations", doc="name of the shared buffer (observation_transport=shared)", read_only=True)
+    converter: str = param(
+        "auto", doc="image conversion: cv_bridge, numpy, or auto (cv_bridge when installed)",
+        choices=("auto", "cv_bridge", "numpy"), read_only=True,
+    )  # fmt: skip
+    warn_throttle_s: float = param(2.0, doc="at most one warning per reason per this many seconds", range=(0.0, 3600.0))
+
+    def validate(self) -> None:
+        if len(set(self.cameras)) != len(self.cameras) or not self.cameras:
+            raise ConfigError(f"CameraConfig.cameras must be unique and non-empty, got {list(self.cameras)}")
+        if len(self.topics) != len(self.cameras):
+            raise ConfigError(f"CameraConfig.topics has {len(self.topics)} entries for {len(self.cameras)} cameras")
+        if len(self.transports) not in (1, len(self.cameras)):
+            raise ConfigError(f"CameraConfig.transports needs 1 or {len(self.cameras)} entries, got {len(self.transports)}")
+
+    def transport(self, i: int) -> str:
+        return self.transports[0] if len(self.transports) == 1 else self.transports[i]
+
+
+@dataclass(frozen=True)
+class PolicyNodeConfig(Config):
+    bundle: str = param("", doc="path of the model bundle to load", read_only=True)
+    instruction: str = param("", doc="instruction used until one arrives on the instruction topic ('' = the bundle's)")
+    trigger: str = param(
+        "request",
+        doc="request: infer when the controller asks (ChunkRequest, carries RTC guidance); "
+        "continuous: infer back to back on the newest observation",
+        choices=("request", "continuous"),
+    )
+    max_state_age_ms: float = param(
+        500.0, doc="joint states older than this at observation time are not used (no inference)", range=(1.0, 600_000.0)
+    )
+    request_wait_ms: float = param(
+        100.0, doc="how long a request waits for the observation it names before using the newest", range=(0.0, 10_000.0)
+    )
+    observation_transport: str = param(
+        "topic", doc="topic or shared (must match the camera node)", choices=("topic", "shared"), read_only=True
+    )
+    shared_channel: str = param("observations", doc="name of the shared buffer (observation_transport=shared)", read_only=True)
+    warmup: bool = param(True, doc="run one inference on a blank observation before reporting ready", read_only=True)
+    robot: RobotConfig = param(RobotConfig(), doc="action / state layout")
+    policy: PolicyConfig = param(PolicyConfig(), doc="the policy's run-time options")
+
+
+@dataclass(frozen=True)
+class SafetyConfig(Config):
+    lower: tuple[float, ...] = param(
+        (), doc="lower limit per action dimension (empty: the ViperX 300 s limits by joint name, grippers 0)", range=(-1e6, 1e6)
+    )
+    upper: tuple[float, ...] = param(
+        (), doc="upper limit per action dimension (empty: the ViperX 300 s limits by joint name, grippers 1)", range=(-1e6, 1e6)
+    )
+    max_step: tuple[float, ...] = param(
+        (0.05,), doc="largest change of a command per control period, one value for all or one per dimension "
+        "(LeRobot's max_relative_target; rad or normalized gripper units)", range=(1e-6, 1e6),
+    )  # fmt: skip
+    watchdog_periods: int = param(
+        50, doc="hold position after this many control periods without a fresh chunk", range=(1, 1_000_000)
+    )
+    hold: str = param(
+        "last", doc="what holding commands: last (repeat the last command) or none (publish nothing)", choices=("last", "none")
+    )
+    start_enabled: bool = param(False, doc="command output enabled at start-up (else call ~/enable)")
+    require_reference: bool = param(
+        True,
+        doc="publish nothing until the per-step clamp has a reference: the measured joint state or a previous "
+        "command (turn off only for action spaces the joint states do not describe, e.g. ee_pose)",
+    )
+    estop_requires_enable: bool = param(True, doc="after an e-stop is released, stay disabled until ~/enable is called")
+
+
+@dataclass(frozen=True)
+class MotionConfig(Config):
+    """SpecPrune-VLA's action-aware switch: FINE when the end effector moves slowly.
+
+    The rule is the reference code's (enter on a slow overall speed, or slow in xy and z; leave
+    on z or rotation speed, here also on overall speed), with the rotation bound required for
+    entering in both cases so the enter region lies inside the stay region (no chatter), and
+    thresholds in SI units of the end-effector speed estimated from the commanded joints. The paper's code thresholds
+    (0.4 / 0.1 / 0.1 / 0.2, leave 0.2 / 0.3) are in LIBERO's normalized delta-action units
+    and do not carry over to m/s.
+    """
+
+    enter_speed: float = param(0.04, doc="enter fine when |v| < this (m/s) and rot < enter_rot", range=(0.0, 100.0))
+    enter_xy: float = param(0.02, doc="... or when xy < enter_xy and z < enter_z and rot < enter_rot (m/s)", range=(0.0, 100.0))
+    enter_z: float = param(0.02, doc="see enter_xy (m/s)", range=(0.0, 100.0))
+    enter_rot: float = param(0.2, doc="entering fine needs rotation speed < this (rad/s)", range=(0.0, 1000.0))
+    leave_z: float = param(0.05, doc="leave fine when |v_z| > this (m/s)", range=(0.0, 100.0))
+    leave_rot: float = param(0.3, doc="... or rotation speed > this (rad/s)", range=(0.0, 1000.0))
+    leave_speed: float = param(0.08, doc="... or |v| > this (m/s); large values give the reference rule", range=(0.0, 100.0))
+    smoothing: float = param(0.3, doc="EMA weight of the newest speed sample (1: no smoothing)", range=(0.01, 1.0))
+    min_dwell_steps: int = param(5, doc="control steps a mode is kept before it may switch again", range=(0, 100_000))
+    replan_on_fine: bool = param(True, doc="entering fine mode mid-chunk requests a new chunk at once")
+    publish_every: int = param(5, doc="publish MotionState every N control steps (and on every switch)", range=(1, 100_000))
+
+    def validate(self) -> None:
+        if self.leave_z < self.enter_z or self.leave_rot < self.enter_rot or self.leave_speed < self.enter_speed:
+            raise ConfigError(
+                "MotionConfig: leave thresholds must not be below the matching enter thresholds "
+                f"(z {self.enter_z}/{self.leave_z}, rot {self.enter_rot}/{self.leave_rot}, "
+                f"speed {self.enter_speed}/{self.leave_speed}), or the switch chatters"
+            )
+
+
+@dataclass(frozen=True)
+class CommandConfig(Config):
+    backend: str = param(
+        "joint_state",
+        doc="joint_state (sensor_msgs/JointState), float64_multi_array (ros2_control forward command), "
+        "joint_trajectory (trajectory_msgs/JointTrajectory), interbotix (JointGroupCommand + JointSingleCommand), "
+        "ee_pose (geometry_msgs/PoseStamped per arm) or ee_twist (TwistStamped per arm)",
+        choices=BACKENDS,
+        read_only=True,
+    )
+    topic: str = param(
+        "joint_commands", doc="command topic of joint_state / float64_multi_array / joint_trajectory", read_only=True
+    )
+    interbotix_namespaces: tuple[str, ...] = param(
+        ("follower_left", "follower_right"), doc="interbotix: robot namespace per arm (commands/joint_group, joint_single)",
+        read_only=True,
+    )  # fmt: skip
+    arm_group: str = param("arm", doc="interbotix: JointGroupCommand.name", read_only=True)
+    ee_topics: tuple[str, ...] = param(
+        ("/follower_left/ee_command", "/follower_right/ee_command"), doc="ee_pose / ee_twist: one topic per arm", read_only=True
+    )
+    ee_frame_ids: tuple[str, ...] = param(
+        ("follower_left/base_link", "follower_right/base_link"), doc="ee_pose / ee_twist: header.frame_id per arm"
+    )
+    trajectory_lookahead_s: float = param(
+        0.0, doc="joint_trajectory: time_from_start of the point (0: one control period)", range=(0.0, 10.0)
+    )
+
+
+@dataclass(frozen=True)
+class ControllerConfig(Config):
+    request_chunks: bool = param(True, doc="send ChunkRequests (with RTC guidance) when the scheduler wants a chunk")
+    diagnostics_period_s: float = param(1.0, doc="period of /diagnostics", range=(0.05, 3600.0))
+    stale_chunks: str = param(
+        "drop",
+        doc="a chunk whose every action is already past (e.g. a 1-action chunk from an autoregressive policy "
+        "slower than one period) while nothing is planned: drop it (honest timing; the arm holds) or "
+        "execute_last (command its last action at the next tick, late; counted in /diagnostics)",
+        choices=("drop", "execute_last"),
+    )
+    robot: RobotConfig = param(RobotConfig(), doc="action / state layout")
+    scheduler: SchedulerConfig = param(SchedulerConfig(), doc="action-chunk scheduling")
+    safety: SafetyConfig = param(SafetyConfig(), doc="limits, clamp, watchdog, e-stop")
+    motion: MotionConfig = param(MotionConfig(), doc="coarse / fine switch from the end-effector speed")
+    command: CommandConfig = param(CommandConfig(), doc="how commands leave the controller")
+
+    def validate(self) -> None:
+        n = self.robot.dim
+        s = self.safety
+        for name, values in (("lower", s.lower), ("upper", s.upper)):
+            if values and len(values) != n:
+                raise ConfigError(f"safety.{name} has {len(values)} values for {n} joints; give {n} or none")
+        if s.lower and s.upper and any(lo > hi for lo, hi in zip(s.lower, s.upper)):
+            raise ConfigError("safety.lower must not exceed safety.upper")
+        if len(s.max_step) not in (1, n):
+            raise ConfigError(f"safety.max_step needs 1 or {n} values, got {len(s.max_step)}")
+        arms = len(self.robot.arms)
+        c = self.command
+        if c.backend == "interbotix" and len(c.interbotix_namespaces) != arms:
+            raise ConfigError(f"command.interbotix_namespaces needs one namespace per arm ({arms})")
+        if c.backend in ("ee_pose", "ee_twist") and (len(c.ee_topics) != arms or len(c.ee_frame_ids) != arms):
+            raise ConfigError(f"command.ee_topics and ee_frame_ids need one entry per arm ({arms})")

@@ -1,0 +1,214 @@
+"""Synchronized observations from free-running cameras, and the latest-only hand-offs between
+threads. Clock-free: every call takes ``now_ns`` from the caller's clock (ROS time in the
+nodes, sim time under ``use_sim_time``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Generic, Sequence, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+
+@dataclass
+class Frame:
+    image: np.ndarray  # [H, W, 3] uint8 RGB (already at the policy's size when preprocessed)
+    stamp_ns: int  # sensor time from the message header
+    seq: int  # per-camera arrival counter
+
+
+@dataclass
+class AssembledObservation:
+    images: dict[str, np.ndarray]  # camera -> [H, W, 3] uint8, in the configured camera order
+    stamp_ns: int  # the OLDEST frame's stamp: actions are at least as old as their oldest pixel
+    skew_ns: int  # newest - oldest frame stamp
+    age_ns: int  # now - oldest stamp at assembly
+    seq: int
+
+
+class ObservationAssembler:
+    """Keeps the latest frame per camera and assembles an observation when
+
+    * every camera has delivered a frame not used in a previous observation (so equal-rate
+      cameras yield one observation per frame period and a dead camera yields none),
+    * the oldest frame is at most ``max_age_ns`` old, and
+    * the frames' stamps lie within ``max_skew_ns`` of one another.
+
+    When a set is complete but too old or too skewed, :meth:`assemble` returns None and
+    :attr:`last_reject` says why; newer frames replace the offending ones as they arrive.
+    """
+
+    def __init__(self, cameras: Sequence[str], *, max_age_ns: int, max_skew_ns: int) -> None:
+        if not cameras or len(set(cameras)) != len(cameras):
+            raise ValueError(f"cameras must be unique and non-empty, got {list(cameras)}")
+        self.cameras = tuple(cameras)
+        self.max_age_ns, self.max_skew_ns = int(max_age_ns), int(max_skew_ns)
+        self._latest: dict[str, Frame] = {}
+        self._used: dict[str, int] = {}  # camera -> seq of the frame in the last observation
+        self._seq = 0
+        self.last_reject = ""
+        self.rejects: dict[str, int] = {"stale": 0, "skew": 0}
+
+    def set_limits(self, *, max_age_ns: int, max_skew_ns: int) -> None:
+        self.max_age_ns, self.max_skew_ns = int(max_age_ns), int(max_skew_ns)
+
+    def put(self, camera: str, image: np.ndarray, stamp_ns: int) -> None:
+        if camera not in self.cameras:
+            raise KeyError(f"unknown camera {camera!r}; configured: {', '.join(self.cameras)}")
+        prev = self._latest.get(camera)
+        self._latest[camera] = Frame(image, int(stamp_ns), 0 if prev is None else prev.seq + 1)
+
+    def missing(self) -> list[str]:
+        return [c for c in self.cameras if c not in self._latest]
+
+    def assemble(self, now_ns: int) -> AssembledObservation | None:
+        if self.missing():
+            return None
+        frames = [self._latest[c] for c in self.cameras]
+        if any(self._used.get(c) == f.seq for c, f in zip(self.cameras, frames)):
+            return None  # some camera has nothing new since the last observation
+        stamps = [f.stamp_ns for f in frames]
+        oldest, newest = min(stamps), max(stamps)
+        age, skew = int(now_ns) - oldest, newest - oldest
+        if age > self.max_age_ns:
+            return self._reject("stale", f"oldest frame is {age / 1e6:.1f} ms old > max age {self.max_age_ns / 1e6:g} ms")
+        if skew > self.max_skew_ns:
+            return self._reject("skew", f"frames span {skew / 1e6:.1f} ms > max skew {self.max_skew_ns / 1e6:g} ms")
+        self._used = {c: f.seq for c, f in zip(self.cameras, frames)}
+        self._seq += 1
+        self.last_reject = ""
+        images = {c: f.image for c, f in zip(self.cameras, frames)}
+        return AssembledObservation(images, oldest, skew, age, self._seq)
+
+    def _reject(self, key: str, why: str) -> None:
+        if self.last_reject != why:
+            self.rejects[key] += 1
+        self.last_reject = why
+        return None
+
+    def reset(self) -> None:
+        """Forget every frame (e.g. after the clock jumped back)."""
+        self._latest.clear()
+        self._used.clear()
+
+
+class LatestSlot(Generic[T]):
+    """A thread-safe latest-only mailbox: ``put`` overwrites, ``take`` empties, ``wait`` blocks.
+
+    The policy worker reads its requests through one; a producer never blocks and a slow
+    consumer only ever sees the newest item (older ones are counted as ``overwritten``).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._item: T | None = None
+        self.overwritten = 0
+
+    def put(self, item: T) -> None:
+        with self._cond:
+            if self._item is not None:
+                self.overwritten += 1
+            self._item = item
+            self._cond.notify_all()
+
+    def take(self) -> T | None:
+        with self._cond:
+            item, self._item = self._item, None
+            return item
+
+    def peek(self) -> T | None:
+        with self._cond:
+            return self._item
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True when an item is waiting (returns at once if one already is)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._item is not None, timeout)
+
+
+@dataclass
+class ObservationChannel:
+    """Observations from the camera side to the policy side, keyed by stamp.
+
+    Latest-only for the policy's "infer on the newest" path, plus a short history so a chunk
+    request that names an observation by its stamp finds it even if a newer frame landed in
+    between. The camera node writes it directly when both nodes share a process; otherwise the
+    policy node's subscription does. ``listeners`` run after every put (the policy node
+    announces the stamp there); they must be quick and must not block.
+    """
+
+    history: int = 16
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+    _ring: "OrderedDict[int, object]" = field(default_factory=OrderedDict)
+    _seq: int = 0
+    listeners: list[Callable[[int, object], None]] = field(default_factory=list)
+
+    def put(self, stamp_ns: int, observation: object) -> None:
+        with self._cond:
+            self._ring[int(stamp_ns)] = observation
+            self._ring.move_to_end(int(stamp_ns))
+            while len(self._ring) > self.history:
+                self._ring.popitem(last=False)
+            self._seq += 1
+            self._cond.notify_all()
+        for fn in list(self.listeners):
+            fn(int(stamp_ns), observation)
+
+    @property
+    def seq(self) -> int:
+        """Puts so far; a consumer remembers it to wait for something newer."""
+        with self._cond:
+            return self._seq
+
+    def latest(self) -> tuple[int, object] | None:
+        with self._cond:
+            if not self._ring:
+                return None
+            stamp = next(reversed(self._ring))
+            return stamp, self._ring[stamp]
+
+    def get(self, stamp_ns: int) -> object | None:
+        with self._cond:
+            return self._ring.get(int(stamp_ns))
+
+    def wait_for_stamp(self, stamp_ns: int, timeout: float) -> object | None:
+        with self._cond:
+            self._cond.wait_for(lambda: int(stamp_ns) in self._ring, timeout)
+            return self._ring.get(int(stamp_ns))
+
+    def wait_newer(self, seq: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._seq > seq, timeout)
+
+    def clear(self) -> None:
+        with self._cond:
+            self._ring.clear()
+
+
+class SharedChannels:
+    """In-process registry of :class:`ObservationChannel` by name, for nodes that share a
+    process (``vla-accel bringup``). Keyed by (owner, name) so two graphs in one process (tests)
+    never see each other's observations; the ROS layer uses the rclpy context as the owner."""
+
+    _lock = threading.Lock()
+    _channels: dict[tuple[int, str], ObservationChannel] = {}
+
+    @classmethod
+    def get(cls, owner: object, name: str, history: int = 16) -> ObservationChannel:
+        key = (id(owner), name)
+        with cls._lock:
+            ch = cls._channels.get(key)
+            if ch is None:
+                ch = cls._channels[key] = ObservationChannel(history=history)
+            return ch
+
+    @classmethod
+    def drop(cls, owner: object) -> None:
+        with cls._lock:
+            for key in [k for k in cls._channels if k[0] == id(owner)]:
+                del cls._channels[key]

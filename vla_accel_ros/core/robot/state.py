@@ -1,0 +1,129 @@
+"""Joint states in, the policy's state vector out; normalized grippers to and from robot units.
+
+ALOHA publishes one ``sensor_msgs/JointState`` per arm (``/follower_left/joint_states``) with
+unprefixed names (``waist`` ... ``gripper``, ``left_finger``, ``right_finger``); the policy's
+14-D vector is ``[left 6 joints, left gripper, right 6 joints, right gripper]`` with grippers
+normalized to [0 closed, 1 open]. :class:`StateAssembler` does that mapping for any layout
+described by a :class:`RobotConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from vla_accel_ros.core.robot.config import GripperConfig, RobotConfig
+
+
+class GripperMap:
+    """Normalized gripper <-> finger position (observations) and joint angle (commands)."""
+
+    def __init__(self, cfg: GripperConfig) -> None:
+        self.cfg = cfg
+
+    def finger_to_normalized(self, x: float) -> float:
+        c = self.cfg
+        return (x - c.finger_close) / (c.finger_open - c.finger_close)
+
+    def joint_to_normalized(self, q: float) -> float:
+        c = self.cfg
+        return (q - c.joint_close) / (c.joint_open - c.joint_close)
+
+    def normalized_to_joint(self, g: float) -> float:
+        c = self.cfg
+        return c.joint_close + float(g) * (c.joint_open - c.joint_close)
+
+    def state_value(self, raw: float) -> float:
+        """A joint_states reading of the configured source -> normalized gripper."""
+        src = self.cfg.state_source
+        if src == "finger":
+            return self.finger_to_normalized(raw)
+        if src == "joint":
+            return self.joint_to_normalized(raw)
+        return float(raw)
+
+
+class StateAssembler:
+    """Keeps the latest reading per joint from several JointState topics; :meth:`state` is the
+    policy's vector when every joint has been seen, with the oldest reading's stamp.
+
+    A topic with prefix ``p`` publishes joint ``p + name`` as ``name``. Gripper dimensions read
+    the reading named like the gripper joint with ``gripper.gripper_joint`` replaced by
+    ``gripper.finger_joint`` (state_source=finger: ``gripper`` -> ``left_finger``), else the
+    gripper joint itself.
+    """
+
+    def __init__(self, robot: RobotConfig) -> None:
+        self.robot = robot
+        self.gripper = GripperMap(robot.gripper)
+        self.dim = robot.dim
+        index = {n: i for i, n in enumerate(robot.joint_names)}
+        grippers = set(robot.grippers)
+        g = robot.gripper
+        source = g.finger_joint if g.state_source == "finger" else g.gripper_joint
+        # per topic: joint_states name -> (state index, is gripper)
+        self._maps: list[dict[str, tuple[int, bool]]] = []
+        for prefix in robot.joint_state_prefixes:
+            m: dict[str, tuple[int, bool]] = {}
+            for name, i in index.items():
+                if not name.startswith(prefix):
+                    continue
+                local = name[len(prefix) :]  # the name as this topic publishes it
+                if name in grippers:
+                    # 'gripper' -> 'left_finger' (finger source): the reading replaces the joint name
+                    if local.endswith(g.gripper_joint):
+                        local = local[: len(local) - len(g.gripper_joint)] + source
+                    m[local] = (i, True)
+                else:
+                    m[local] = (i, False)
+            self._maps.append(m)
+        self._values = np.full(self.dim, np.nan, np.float64)
+        self._stamps = np.full(self.dim, -1, np.int64)
+
+    def update(self, topic_index: int, names: Sequence[str], positions: Sequence[float], stamp_ns: int) -> int:
+        """Record one JointState message from topic ``topic_index``; returns joints matched."""
+        m = self._maps[topic_index]
+        hit = 0
+        for name, value in zip(names, positions):
+            entry = m.get(name)
+            if entry is None:
+                continue
+            i, is_gripper = entry
+            v = float(value)
+            if not np.isfinite(v):
+                continue
+            self._values[i] = self.gripper.state_value(v) if is_gripper else v
+            self._stamps[i] = int(stamp_ns)
+            hit += 1
+        return hit
+
+    def missing(self) -> list[str]:
+        return [n for n, s in zip(self.robot.joint_names, self._stamps) if s < 0]
+
+    def state(self) -> tuple[np.ndarray, int] | None:
+        """(state [D] float32, oldest stamp) once every joint has a reading, else None."""
+        if (self._stamps < 0).any():
+            return None
+        return self._values.astype(np.float32), int(self._stamps.min())
+
+    def reset(self) -> None:
+        self._values[:] = np.nan
+        self._stamps[:] = -1
+
+
+def to_robot_units(action: np.ndarray, robot: RobotConfig) -> np.ndarray:
+    """A [D] action with normalized grippers -> robot units (gripper joint angles) when
+    ``gripper.command_units`` is joint; a copy either way.  # [D] float64"""
+    out = np.asarray(action, np.float64).copy()
+    if robot.gripper.command_units == "joint":
+        gm = GripperMap(robot.gripper)
+        for name in robot.grippers:
+            i = robot.joint_names.index(name)
+            out[i] = gm.normalized_to_joint(float(out[i]))
+    return out
+
+
+def arm_slices(robot: RobotConfig) -> list[list[int]]:
+    """Per arm, the action indices of its joints (``<arm>_*``), in joint_names order."""
+    return [[i for i, n in enumerate(robot.joint_names) if n.startswith(f"{arm}_")] for arm in robot.arms]

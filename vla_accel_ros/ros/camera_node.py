@@ -1,0 +1,157 @@
+"""camera_node: N camera topics in, synchronized observations at the policy's image size out.
+
+Subscribes ``cameras[i]`` on ``topics[i]`` (``sensor_msgs/Image`` or ``CompressedImage`` per
+``transports``) with sensor-data QoS, converts each frame (cv_bridge when installed, else the
+NumPy converter), resizes it to ``image_size`` and keeps the latest per camera. When every
+camera has a new frame within ``max_age_ms`` / ``max_skew_ms``, the observation goes to the
+policy: on the ``observation`` topic, or straight into the shared latest-only buffer when both
+nodes run in one process (``observation_transport: shared``). Frames that cannot be used are
+dropped with a throttled warning and counted in ``/diagnostics``; the node keeps running.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from functools import partial
+
+from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.node import Node
+from sensor_msgs.msg import CompressedImage, Image
+
+from vla_accel_ros.core.robot.config import CameraConfig
+from vla_accel_ros.core.robot.images import ImageError
+from vla_accel_ros.core.robot.observation import AssembledObservation, ObservationAssembler, SharedChannels
+from vla_accel_ros.msg import Observation as ObservationMsg
+from vla_accel_ros.ros import graph, qos
+from vla_accel_ros.ros.common import OK, WARN, DropCounter, diagnostics, spin_node, status
+from vla_accel_ros.ros.conversions import ImageConverter, observation_to_msg, stamp_to_ns
+from vla_accel_ros.ros.params import ConfigParameters
+
+
+class CameraNode(Node):
+    def __init__(self, node_name: str = "camera_node", **kwargs) -> None:
+        super().__init__(node_name, **kwargs)
+        self.params = ConfigParameters(self, CameraConfig, on_staged=self._apply)
+        cfg: CameraConfig = self.params.config
+        self.converter = ImageConverter(cfg.converter)
+        self.assembler = ObservationAssembler(
+            cfg.cameras, max_age_ns=int(cfg.max_age_ms * 1e6), max_skew_ns=int(cfg.max_skew_ms * 1e6)
+        )
+        self._lock = threading.Lock()  # the assembler
+        self.drops = DropCounter(self, "camera frame", cfg.warn_throttle_s)
+        self.frames: Counter[str] = Counter()
+        self.observations = 0
+        self._unstamped_warned = False
+        self._last_now = 0
+        if cfg.image_size:
+            from vla_accel_ros.models.common import resize_uint8  # noqa: PLC0415 - torch; the policy's resize
+
+            self._resize = lambda img: resize_uint8(img, cfg.image_size).numpy()
+        else:
+            self._resize = lambda img: img
+
+        frames_group = ReentrantCallbackGroup()  # decode + resize in parallel; assembly locks
+        self._subs = []
+        for i, (cam, topic) in enumerate(zip(cfg.cameras, cfg.topics)):
+            compressed = cfg.transport(i) == "compressed"
+            self._subs.append(
+                self.create_subscription(
+                    CompressedImage if compressed else Image,
+                    topic,
+                    partial(self._on_frame, cam, compressed),
+                    qos.SENSOR,
+                    callback_group=frames_group,
+                )
+            )
+        self._pub = None
+        self._channel = None
+        if cfg.observation_transport == "topic":
+            self._pub = self.create_publisher(ObservationMsg, graph.OBSERVATION, qos.LATEST)
+        else:
+            self._channel = SharedChannels.get(self.context, cfg.shared_channel)
+        self._diag_pub = self.create_publisher(DiagnosticArray, graph.DIAGNOSTICS, qos.RELIABLE)
+        self.create_timer(1.0, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
+        self.get_logger().info(
+            f"cameras {', '.join(f'{c} <- {t}' for c, t in zip(cfg.cameras, cfg.topics))}; converter {self.converter.mode}; "
+            f"observations via {cfg.observation_transport}"
+        )
+
+    # -- parameters ---------------------------------------------------------------------------
+    def _apply(self, cfg: CameraConfig) -> None:
+        with self._lock:
+            self.assembler.set_limits(max_age_ns=int(cfg.max_age_ms * 1e6), max_skew_ns=int(cfg.max_skew_ms * 1e6))
+        self.drops.throttle_s = cfg.warn_throttle_s
+
+    # -- frames -------------------------------------------------------------------------------
+    def _on_frame(self, camera: str, compressed: bool, msg) -> None:
+        now = self.get_clock().now().nanoseconds
+        try:
+            rgb = self.converter.compressed(msg) if compressed else self.converter.raw(msg)
+            if rgb.shape[0] == 0 or rgb.shape[1] == 0:
+                raise ImageError("empty", "decoded to an empty image")
+            rgb = self._resize(rgb)
+        except ImageError as e:
+            self.drops.drop(e.reason, f"{camera}: {e}")
+            return
+        stamp = stamp_to_ns(msg.header.stamp)
+        if stamp == 0:  # some drivers do not stamp; the arrival time is the best we have
+            stamp = now
+            if not self._unstamped_warned:
+                self._unstamped_warned = True
+                self.get_logger().warning(f"{camera}: frames carry no header stamp; using arrival time")
+        with self._lock:
+            if now < self._last_now:  # the clock jumped back (sim time reset): start over
+                self.assembler.reset()
+            self._last_now = now
+            self.frames[camera] += 1
+            self.assembler.put(camera, rgb, stamp)
+            obs = self.assembler.assemble(now)
+            if obs is not None:
+                self.observations += 1
+        if obs is not None:
+            self._emit(obs)
+
+    def _emit(self, obs: AssembledObservation) -> None:
+        if self._channel is not None:
+            self._channel.put(obs.stamp_ns, obs)
+        else:
+            self._pub.publish(observation_to_msg(obs.images, obs.stamp_ns, obs.seq, obs.skew_ns, obs.age_ns))
+
+    # -- diagnostics --------------------------------------------------------------------------
+    def _publish_diagnostics(self) -> None:
+        with self._lock:
+            missing = self.assembler.missing()
+            reject = self.assembler.last_reject
+            rejects = dict(self.assembler.rejects)
+        level, message = OK, "streaming"
+        if missing:
+            level, message = WARN, f"no frames yet from {', '.join(missing)}"
+        elif reject:
+            level, message = WARN, reject
+        values: dict[str, object] = {f"frames {c}": self.frames[c] for c in self.assembler.cameras}
+        values.update({"observations": self.observations, "dropped": self.drops.total})
+        values.update({f"dropped {k}": v for k, v in self.drops.counts.items()})
+        values.update({f"rejected {k}": v for k, v in rejects.items()})
+        self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: cameras", level, message, values)]))
+
+    def reset_stats(self) -> None:
+        self.frames.clear()
+        self.observations = 0
+        self.drops.counts.clear()
+
+    def summary(self) -> dict[str, object]:
+        return {"frames": sum(self.frames.values()), "observations": self.observations, "dropped": self.drops.total}
+
+    def close(self) -> None:
+        pass
+
+
+def main(args: list[str] | None = None) -> None:
+    spin_node(CameraNode, args)
+
+
+if __name__ == "__main__":
+    main()
+

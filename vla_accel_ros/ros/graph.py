@@ -1,0 +1,322 @@
+"""The ROS graph, described once: which nodes run, with which parameters, on which topics.
+
+``launch/aloha.launch.py`` (launch_ros) and ``vla-accel bringup`` (plain rclpy, one process)
+both call :func:`describe` and start exactly what it returns, from the same parameter file
+(``config/aloha.yaml``), so the two cannot drift. This module imports neither rclpy nor
+launch: the description is data.
+
+Topics (relative names, so a launch ``namespace`` moves the whole graph):
+
+    observation        vla_accel_ros/Observation   camera_node -> policy_node (topic transport)
+    observation_stamp  std_msgs/Header             policy_node -> controller: observations it holds
+    chunk_request      vla_accel_ros/ChunkRequest  controller -> policy_node (RTC guidance)
+    action_chunk       vla_accel_ros/ActionChunk   policy_node -> controller
+    inference_stats    vla_accel_ros/InferenceStats
+    motion_state       vla_accel_ros/MotionState   controller -> policy_node (coarse | fine)
+    instruction        std_msgs/String             (transient local) -> policy_node
+    estop              std_msgs/Bool               (transient local) -> controller
+    joint_commands     per command.backend         controller -> robot (parameter command.topic)
+    /diagnostics       diagnostic_msgs/DiagnosticArray
+
+Services: ``policy_node/reset_episode`` (std_srvs/Trigger), ``action_controller_node/enable``
+(std_srvs/SetBool). ``policy_node/ready`` (std_msgs/Bool, transient local) says the bundle is
+loaded. Robot-side topics (cameras, joint states, Interbotix commands) are absolute names from
+the parameter file.
+
+Contract for ``aloha_sim_node`` (issue 6): module ``vla_accel_ros.ros.aloha_sim_node`` with a
+``Node`` subclass ``AlohaSimNode(node_name="aloha_sim_node", **node_kwargs)``; it reads its
+section of the same parameter file, publishes the cameras and joint states the real robot
+would (topics from the file) and executes the controller's commands. ``describe(sim=True)``
+hands it the camera node's cameras (mapped to scene cameras through the ``sim record`` layout)
+and the controller's ``command.*`` parameters, so the two always agree, and turns on
+``use_sim_time`` for every node when the simulator publishes ``/clock``.
+
+Recording: :func:`record_topics` is the one list of topics a recording of the graph holds
+(``aloha.launch.py record:=true`` and ``vla-accel record``): the graph's topics plus the layout
+``vla-accel sim record`` writes (cameras, joint states, ``/action/joint_command``, ``/episode``,
+``/instruction``, ``/episode/success``), so ``vla-accel replay`` reads either.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+PACKAGE = "vla_accel_ros"
+
+# -- graph topics and services (relative: the namespace applies) ---------------------------------
+OBSERVATION = "observation"
+OBSERVATION_STAMP = "observation_stamp"
+CHUNK_REQUEST = "chunk_request"
+ACTION_CHUNK = "action_chunk"
+INFERENCE_STATS = "inference_stats"
+MOTION_STATE = "motion_state"
+INSTRUCTION = "instruction"
+ESTOP = "estop"
+DIAGNOSTICS = "/diagnostics"
+READY = "~/ready"
+RESET_EPISODE = "~/reset_episode"
+ENABLE = "~/enable"
+
+CAMERA, POLICY, CONTROLLER, SIM, SYNTHETIC = (
+    "camera_node",
+    "policy_node",
+    "action_controller_node",
+    "aloha_sim_node",
+    "synthetic_sensors_node",
+)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str  # node name = its section in the parameter file
+    executable: str  # `ros2 run vla_accel_ros <executable>` / console script
+    module: str  # python module holding the node class and main()
+    node_class: str
+    parameters: dict[str, Any] = field(default_factory=dict)  # on top of the parameter file
+    remappings: tuple[tuple[str, str], ...] = ()
+    optional: bool = False  # start only if the module is importable (the simulator)
+
+    def available(self) -> bool:
+        return importlib.util.find_spec(self.module) is not None
+
+
+@dataclass(frozen=True)
+class Graph:
+    nodes: tuple[NodeSpec, ...]
+    params_file: str
+    namespace: str
+    use_sim_time: bool
+    record: bool
+    record_topics: tuple[str, ...]
+    notes: tuple[str, ...] = ()  # what the description decided and why (printed by starters)
+
+    def resolved_record_topics(self) -> list[str]:
+        """Absolute names of ``record_topics`` (relative ones live under the namespace), once each."""
+        ns = f"/{self.namespace}" if self.namespace else ""
+        return list(dict.fromkeys(t if t.startswith("/") else f"{ns}/{t}" for t in self.record_topics))
+
+    def with_parameters(self, overrides: Mapping[str, Mapping[str, Any]]) -> "Graph":
+        """A copy with extra parameters per node name (e.g. from a test or a CLI flag)."""
+        unknown = set(overrides) - {n.name for n in self.nodes}
+        if unknown:
+            raise KeyError(f"no node(s) {', '.join(sorted(unknown))} in the graph")
+        nodes = tuple(
+            replace(n, parameters={**n.parameters, **overrides.get(n.name, {})}) for n in self.nodes
+        )
+        return replace(self, nodes=nodes)
+
+    def node(self, name: str) -> NodeSpec:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+
+def _spec(name: str, cls: str, parameters: dict[str, Any], **kw: Any) -> NodeSpec:
+    return NodeSpec(name=name, executable=name, module=f"{PACKAGE}.ros.{name}", node_class=cls, parameters=parameters, **kw)
+
+
+def default_params_file() -> Path:
+    """``config/aloha.yaml``: from the install's share directory, else the source tree."""
+    here = Path(__file__).resolve()
+    candidates = [here.parents[2] / "config" / "aloha.yaml"]
+    try:
+        from ament_index_python.packages import PackageNotFoundError, get_package_share_directory  # noqa: PLC0415
+
+        try:
+            candidates.append(Path(get_package_share_directory(PACKAGE)) / "config" / "aloha.yaml")
+        except (PackageNotFoundError, OSError, ValueError):  # OSError: no AMENT_PREFIX_PATH (a plain venv)
+            pass
+    except ImportError:
+        pass
+    prefix = Path(os.environ.get("VIRTUAL_ENV") or sys.prefix)
+    candidates.append(prefix / "share" / PACKAGE / "config" / "aloha.yaml")
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise FileNotFoundError(f"config/aloha.yaml not found (looked in {', '.join(map(str, candidates))})")
+
+
+# -- the parameter file, read the way rcl reads it ------------------------------------------------
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def node_parameters(params: Mapping[str, Any], node: str, namespace: str = "") -> dict[str, Any]:
+    """Dotted parameters a node named ``node`` in ``namespace`` gets from a ROS 2 parameter
+    file (``/**``, ``/**/node``, ``node``, ``/ns/node`` sections; later, more specific ones win)."""
+    ns = "/" + namespace.strip("/") if namespace.strip("/") else ""
+    full = f"{ns}/{node}"
+    keys = ["/**", f"/**/{node}", node, f"/{node}" if ns else None, full.lstrip("/"), full]
+    out: dict[str, Any] = {}
+    for key in keys:
+        if key is None or key not in params:
+            continue
+        section = params[key] or {}
+        out.update(_flatten(section.get("ros__parameters", {}) or {}))
+    return out
+
+
+def load_params(path: str | os.PathLike) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a ROS 2 parameter file is a mapping of node names")
+    return data
+
+
+# -- the description --------------------------------------------------------------------------------
+def describe(
+    *,
+    params_file: str | os.PathLike | None = None,
+    bundle: str | os.PathLike | None = None,
+    sim: bool = False,
+    synthetic_camera: bool = False,
+    record: bool = False,
+    namespace: str = "",
+    use_sim_time: bool = False,
+    shared_observations: bool = False,
+) -> Graph:
+    """The nodes to start. ``bundle`` (a path) sets the policy's bundle and fits the camera
+    node to the bundle's cameras and image size. ``sim`` adds the simulator and
+    ``synthetic_camera`` a synthetic camera + robot; both enable command output at start (a real
+    arm starts disabled and waits for ``action_controller_node/enable``).
+    ``shared_observations`` (one process only) hands observations over in memory."""
+    if sim and synthetic_camera:
+        from vla_accel_ros.core.errors import ConfigError  # noqa: PLC0415
+
+        raise ConfigError("the simulator and the synthetic camera would both play the robot (same topics); choose one")
+    params_path = Path(params_file) if params_file else default_params_file()
+    params = load_params(params_path)
+    notes: list[str] = []
+    cam_file = node_parameters(params, CAMERA, namespace)
+    ctl_file = node_parameters(params, CONTROLLER, namespace)
+
+    camera: dict[str, Any] = {}
+    policy: dict[str, Any] = {}
+    controller: dict[str, Any] = {}
+    transport = "shared" if shared_observations else "topic"
+    camera["observation_transport"] = policy["observation_transport"] = transport
+
+    cameras = list(cam_file.get("cameras", []))
+    topics = list(cam_file.get("topics", []))
+    transports = list(cam_file.get("transports", ["raw"]))
+    if bundle:
+        from vla_accel_ros.core.bundle import read_spec  # noqa: PLC0415 - JSON only, no torch
+
+        spec = read_spec(bundle)
+        policy["bundle"] = str(Path(bundle).resolve())
+        camera["image_size"] = int(spec.image_size)
+        by_name = dict(zip(cameras, topics))
+        tr = dict(zip(cameras, transports if len(transports) == len(cameras) else transports * len(cameras)))
+        new_topics = []
+        for cam in spec.cameras:
+            if cam not in by_name:
+                notes.append(f"camera {cam} (from the bundle) is not in {params_path.name}; using the ALOHA topic layout")
+            new_topics.append(by_name.get(cam, f"/{cam}/camera/color/image_rect_raw"))
+        cameras, topics = list(spec.cameras), new_topics
+        camera.update(cameras=cameras, topics=topics, transports=[tr.get(c, transports[0] if transports else "raw") for c in cameras])
+        if tuple(spec.joint_names) != tuple(ctl_file.get("robot.joint_names", spec.joint_names)):
+            notes.append("the bundle's joint_names differ from robot.joint_names in the parameter file; the policy will refuse it")
+    if sim or synthetic_camera:
+        controller["safety.start_enabled"] = True
+
+    nodes = [
+        _spec(CAMERA, "CameraNode", camera),
+        _spec(POLICY, "PolicyNode", policy),
+        _spec(CONTROLLER, "ActionControllerNode", controller),
+    ]
+    if sim:
+        sim_params, sim_clock = _sim_parameters(params, namespace, cameras, topics, ctl_file, notes)
+        if any(t != "raw" for t in camera.get("transports", transports)):
+            camera["transports"] = ["raw"]
+            notes.append("simulator: it publishes raw sensor_msgs/Image, so the camera node subscribes raw images")
+        nodes.append(_spec(SIM, "AlohaSimNode", sim_params, optional=True))
+        if sim_clock and not use_sim_time:
+            use_sim_time = True
+            notes.append("simulator: every node follows its /clock (use_sim_time)")
+    if synthetic_camera:
+        # The synthetic robot reads robot.* from the file's /** section like the other nodes.
+        syn: dict[str, Any] = {
+            "camera_topics": topics or [f"/{c}/camera/color/image_rect_raw" for c in cameras],
+            "command_topic": str(ctl_file.get("command.topic", "joint_commands")),
+        }
+        if bundle:
+            syn["image_size"] = int(spec.image_size)
+        if ctl_file.get("command.backend", "joint_state") != "joint_state":
+            notes.append("synthetic robot: command.backend is not joint_state, so the fake arm holds its start pose")
+        nodes.append(_spec(SYNTHETIC, "SyntheticSensorsNode", syn))
+
+    return Graph(
+        nodes=tuple(nodes),
+        params_file=str(params_path),
+        namespace=namespace.strip("/"),
+        use_sim_time=bool(use_sim_time),
+        record=bool(record),
+        record_topics=record_topics(topics, ctl_file),
+        notes=tuple(notes),
+    )
+
+
+def record_topics(camera_topics: list[str], controller: Mapping[str, Any]) -> tuple[str, ...]:
+    """What a recording of the graph holds, relative names under the namespace: the graph's
+    own topics, the cameras and joint states, the command topic, and the rest of the layout
+    ``vla-accel sim record`` writes, so ``vla-accel replay`` reads a live recording too."""
+    from vla_accel_ros.io.bags import BagLayout  # noqa: PLC0415 - numpy only; rosbags loads on use
+
+    lay = BagLayout()
+    out = [OBSERVATION_STAMP, CHUNK_REQUEST, ACTION_CHUNK, INFERENCE_STATS, MOTION_STATE, INSTRUCTION, ESTOP, DIAGNOSTICS]
+    out += list(camera_topics)
+    out += list(controller.get("robot.joint_state_topics", [lay.left_joint_states, lay.right_joint_states]))
+    out.append(str(controller.get("command.topic", "joint_commands")))
+    out += [lay.action_topic, lay.episode_topic, lay.instruction_topic, lay.success_topic]
+    return tuple(dict.fromkeys(out))
+
+
+def _sim_parameters(
+    params: Mapping[str, Any],
+    namespace: str,
+    cameras: list[str],
+    topics: list[str],
+    controller: Mapping[str, Any],
+    notes: list[str],
+) -> tuple[dict[str, Any], bool]:
+    """The simulator's overrides: the camera node's cameras as scene cameras (through the
+    ``sim record`` layout: cam_high <- top, ...), the controller's command backend and topic,
+    no instruction of its own when the policy's section sets one. Returns (overrides,
+    whether it publishes /clock)."""
+    from vla_accel_ros.io.bags import BagLayout  # noqa: PLC0415
+    from vla_accel_ros.sim.aloha import CAMERA_NAMES  # noqa: PLC0415 - no dm_control at import
+
+    lay = BagLayout()
+    scene = {lay.ros_camera(c): c for c in CAMERA_NAMES}  # ROS camera name -> scene camera
+    sim_cams, sim_topics = [], []
+    for cam, topic in zip(cameras, topics):
+        if cam in scene:
+            sim_cams.append(scene[cam])
+            sim_topics.append(topic)
+        else:
+            notes.append(
+                f"simulator: camera {cam} has no counterpart in the scene (it has {', '.join(CAMERA_NAMES)}); "
+                f"nothing publishes {topic}"
+            )
+    out: dict[str, Any] = {k: v for k, v in controller.items() if k.startswith("command.")}
+    if sim_cams:  # (an empty list would reach ROS as an untyped parameter)
+        out.update(cameras=sim_cams, camera_topics=sim_topics)
+    if str(node_parameters(params, POLICY, namespace).get("instruction", "")):
+        out["publish_instruction"] = False
+        notes.append("simulator: policy_node has an instruction in the parameter file; the task's is not published")
+    return out, bool(node_parameters(params, SIM, namespace).get("publish_clock", True))

@@ -1,0 +1,128 @@
+"""synthetic_sensors_node: a stand-in robot so the closed loop runs without a simulator.
+
+Publishes ``vla_accel_ros.bench.synthetic.moving_arm_frames`` as ``sensor_msgs/Image`` (rgb8)
+on every camera topic, and joint states shaped like ALOHA's (per arm: the six joints, the
+gripper joint angle and the finger positions) that follow the controller's ``joint_state``
+commands exactly, a perfect position-controlled arm. Frames are precomputed and cycled so the
+source costs little CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from itertools import cycle
+
+import numpy as np
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.node import Node
+from sensor_msgs.msg import Image, JointState
+
+from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.robot.config import RobotConfig
+from vla_accel_ros.core.robot.state import GripperMap
+from vla_accel_ros.ros import qos
+from vla_accel_ros.ros.common import spin_node
+from vla_accel_ros.ros.conversions import header, rgb_to_image
+from vla_accel_ros.ros.params import ConfigParameters
+
+START_ARM = (0.0, -0.96, 1.16, 0.0, -0.3, 0.0)  # ALOHA's start pose per arm
+
+
+@dataclass(frozen=True)
+class SyntheticConfig(Config):
+    camera_topics: tuple[str, ...] = param(("/cam_high/camera/color/image_rect_raw",), doc="one image topic per camera", read_only=True)
+    image_size: int = param(224, doc="square frame size", range=(16, 2048), read_only=True)
+    camera_rate_hz: float = param(30.0, doc="frames per second per camera", range=(0.1, 1000.0), read_only=True)
+    joint_rate_hz: float = param(50.0, doc="joint state rate", range=(0.1, 1000.0), read_only=True)
+    frames: int = param(60, doc="precomputed frames cycled per camera", range=(1, 10_000), read_only=True)
+    command_topic: str = param("joint_commands", doc="sensor_msgs/JointState commands to follow", read_only=True)
+    robot: RobotConfig = param(RobotConfig(), doc="action / state layout")
+
+
+class SyntheticSensorsNode(Node):
+    def __init__(self, node_name: str = "synthetic_sensors_node", **kwargs) -> None:
+        super().__init__(node_name, **kwargs)
+        self.params = ConfigParameters(self, SyntheticConfig)
+        cfg: SyntheticConfig = self.params.config
+        robot = cfg.robot
+        from vla_accel_ros.bench.synthetic import moving_arm_frames  # noqa: PLC0415
+
+        self._frames = [
+            cycle(list(moving_arm_frames(cfg.frames, cfg.image_size, seed=k))) for k in range(len(cfg.camera_topics))
+        ]
+        self._cam_pubs = [self.create_publisher(Image, t, qos.SENSOR) for t in cfg.camera_topics]
+        self._lock = threading.Lock()
+        self.gripper = GripperMap(robot.gripper)
+        # The arm's position in robot units (gripper joints in rad when commands are in rad).
+        self._q = np.zeros(robot.dim)
+        for i, name in enumerate(robot.joint_names):
+            for j, v in zip(("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate"), START_ARM):
+                if name.endswith(j):
+                    self._q[i] = v
+            if name in robot.grippers:
+                self._q[i] = self.gripper.normalized_to_joint(0.5) if robot.gripper.command_units == "joint" else 0.5
+        self._index = {n: i for i, n in enumerate(robot.joint_names)}
+        self._js_pubs = [self.create_publisher(JointState, t, qos.RELIABLE) for t in robot.joint_state_topics]
+        self.create_subscription(JointState, cfg.command_topic, self._on_command, qos.COMMANDS)
+        self.frames_published = 0
+        self.create_timer(1.0 / cfg.camera_rate_hz, self._publish_frames, callback_group=MutuallyExclusiveCallbackGroup())
+        self.create_timer(1.0 / cfg.joint_rate_hz, self._publish_joints, callback_group=MutuallyExclusiveCallbackGroup())
+
+    def _on_command(self, msg: JointState) -> None:
+        with self._lock:
+            for name, pos in zip(msg.name, msg.position):
+                i = self._index.get(name)
+                if i is not None and np.isfinite(pos):
+                    self._q[i] = pos
+
+    def _publish_frames(self) -> None:
+        now = self.get_clock().now().nanoseconds
+        for pub, frames in zip(self._cam_pubs, self._frames):
+            pub.publish(rgb_to_image(next(frames), now, "synthetic"))
+        self.frames_published += 1
+
+    def _publish_joints(self) -> None:
+        robot = self.params.config.robot
+        g = robot.gripper
+        now = self.get_clock().now().nanoseconds
+        with self._lock:
+            q = self._q.copy()
+        for prefix, pub in zip(robot.joint_state_prefixes, self._js_pubs):
+            names: list[str] = []
+            positions: list[float] = []
+            for name, i in self._index.items():
+                if not name.startswith(prefix):
+                    continue
+                local = name[len(prefix) :]  # what this topic calls the joint
+                if name not in robot.grippers:
+                    names.append(local)
+                    positions.append(float(q[i]))
+                    continue
+                norm = self.gripper.joint_to_normalized(q[i]) if g.command_units == "joint" else float(q[i])
+                if g.state_source == "finger":  # ALOHA: gripper joint angle + finger position
+                    base = local[: len(local) - len(g.gripper_joint)] if local.endswith(g.gripper_joint) else ""
+                    names += [local, f"{base}{g.finger_joint}"]
+                    positions += [self.gripper.normalized_to_joint(norm), g.finger_close + norm * (g.finger_open - g.finger_close)]
+                else:
+                    names.append(local)
+                    positions.append(self.gripper.normalized_to_joint(norm) if g.state_source == "joint" else norm)
+            msg = JointState(header=header(now), name=names, position=positions)
+            pub.publish(msg)
+
+    def reset_stats(self) -> None:
+        self.frames_published = 0
+
+    def summary(self) -> dict[str, object]:
+        return {"frames": self.frames_published}
+
+    def close(self) -> None:
+        pass
+
+
+def main(args: list[str] | None = None) -> None:
+    spin_node(SyntheticSensorsNode, args)
+
+
+if __name__ == "__main__":
+    main()
