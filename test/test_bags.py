@@ -20,6 +20,8 @@ from vla_accel_ros.io.bags import (  # noqa: E402
     SyncConfig,
     image_to_rgb,
 )
+from vla_accel_ros.core.robot.config import RobotConfig
+from vla_accel_ros.core.robot.state import state_to_joint_states
 
 H, W = 48, 64
 START_NS = 1_700_000_000_000_000_000
@@ -71,9 +73,11 @@ def test_sim_frames_round_trip_bit_exact(tmp_path: Path, sim_frames, storage: st
         np.testing.assert_array_equal(by[(HIGH, s)], f.images["top"])
         np.testing.assert_array_equal(by[(WRIST, s)], f.images["left_wrist"])
         left, right, act = by[(LEFT, s)], by[(RIGHT, s)], by[("/action/joint_command", s)]
-        assert left.names == ARM_JOINTS and act.names == ACTION_NAMES
-        np.testing.assert_array_equal(np.concatenate([left.position, right.position]), f.qpos)
-        np.testing.assert_array_equal(np.concatenate([left.velocity, right.velocity]), f.qvel)
+        # Joint states in the real robot's units (gripper angle + finger opening), as a live bag.
+        (ln, lp, lv), (rn, rp, rv) = state_to_joint_states(RobotConfig(), f.qpos, f.qvel)
+        assert left.names == tuple(ln) == ARM_JOINTS + ("left_finger",) and act.names == ACTION_NAMES
+        np.testing.assert_array_equal(np.concatenate([left.position, right.position]), lp + rp)
+        np.testing.assert_array_equal(np.concatenate([left.velocity, right.velocity]), lv + rv)
         np.testing.assert_array_equal(act.position, f.action)
 
 
@@ -91,9 +95,11 @@ def test_samples_follow_ticks_and_episodes(tmp_path: Path, sim_frames) -> None:
         assert obs.episode == f.episode and obs.instruction == f.instruction
         assert set(obs.images) == {"cam_high", "cam_left_wrist"}
         np.testing.assert_array_equal(obs.images["cam_high"], f.images["top"])
-        np.testing.assert_array_equal(obs.state, f.qpos.astype(np.float32))
+        # Normalized grippers come back from the finger opening, as on the robot.
+        np.testing.assert_allclose(obs.state, f.qpos, atol=1e-6)
         np.testing.assert_array_equal(s.action, f.action)
-        np.testing.assert_array_equal(s.qvel, f.qvel)
+        arm = [i for i in range(14) if i not in (6, 13)]
+        np.testing.assert_array_equal(s.qvel[arm], f.qvel[arm])
     assert [(e.index, e.frames) for e in episodes] == [(0, 3), (1, 4)]
     assert episodes[1].start_ns == START_NS + 3 * DT_NS
     assert all(e.success is False for e in episodes)  # 3-4 ticks: nothing grasped yet
@@ -102,7 +108,7 @@ def test_samples_follow_ticks_and_episodes(tmp_path: Path, sim_frames) -> None:
 
 
 def _joint(w: BagWriter, topic: str, stamp: int, value: float) -> None:
-    w.write_joint_state(topic, stamp, ARM_JOINTS, np.full(7, value))
+    w.write_joint_state(topic, stamp, ARM_JOINTS + ("left_finger",), np.full(8, value))
 
 
 def test_sync_latest_at_or_before_trigger(tmp_path: Path) -> None:

@@ -6,11 +6,13 @@ records the same layout, so both feed the replay benchmark the same way.
 Topic layout (defaults of :class:`BagLayout`, the ALOHA conventions)::
 
   /<cam>/camera/color/image_rect_raw  sensor_msgs/Image rgb8, one per camera and tick
-  /follower_left/joint_states         sensor_msgs/JointState, per tick: names waist, shoulder,
-  /follower_right/joint_states          elbow, forearm_roll, wrist_angle, wrist_rotate, gripper;
-                                        position/velocity as the sim reports them (radians;
-                                        gripper NORMALIZED 0 closed .. 1 open, not radians)
-  /action/joint_command               sensor_msgs/JointState, the commanded 14-D action, names
+  /follower_left/joint_states         sensor_msgs/JointState, per tick, in the real robot's units
+  /follower_right/joint_states          (RobotConfig): waist, shoulder, elbow, forearm_roll,
+                                        wrist_angle, wrist_rotate (rad), gripper (joint angle,
+                                        rad) and left_finger (finger opening, m); the reader
+                                        normalizes grippers exactly as the policy node does
+  /action/joint_command               sensor_msgs/JointState, the 14-D action in the policy's
+                                        units (grippers normalized 0 closed .. 1 open), names
                                         left_<joint>..., right_<joint>... (Interbotix's own
                                         JointGroupCommand would need interbotix_xs_msgs)
   /episode                            std_msgs/Int32, episode index, once at its first tick
@@ -34,6 +36,8 @@ import numpy as np
 
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import BagError
+from vla_accel_ros.core.robot.config import RobotConfig
+from vla_accel_ros.core.robot.state import StateAssembler, state_to_joint_states
 from vla_accel_ros.core.types import Observation
 
 STORAGES = ("mcap", "sqlite3")
@@ -321,10 +325,18 @@ class FrameRecorder:
     """
 
     def __init__(
-        self, writer: BagWriter, layout: BagLayout | None = None, start_ns: int = 0, dt: float = 0.02
+        self,
+        writer: BagWriter,
+        layout: BagLayout | None = None,
+        start_ns: int = 0,
+        dt: float = 0.02,
+        robot: RobotConfig | None = None,
     ) -> None:
         self.writer = writer
         self.layout = layout or BagLayout()
+        self.robot = robot or robot_for(self.layout)
+        if self.robot.joint_names != ACTION_NAMES:
+            raise BagError(f"the simulator's frames are {', '.join(ACTION_NAMES)}; robot.joint_names differ")
         self.start_ns = int(start_ns)
         self.dt_ns = int(round(dt * 1e9))
         self.ticks = 0
@@ -341,9 +353,10 @@ class FrameRecorder:
         for cam, img in frame.images.items():
             ros_cam = lay.ros_camera(cam)
             w.write_image(lay.image_topic(ros_cam), stamp, img, frame_id=f"{ros_cam}_color_optical_frame")
-        for side, topic in (("left", lay.left_joint_states), ("right", lay.right_joint_states)):
-            sl = slice(0, 7) if side == "left" else slice(7, 14)
-            w.write_joint_state(topic, stamp, ARM_JOINTS, frame.qpos[sl], frame.qvel[sl], frame_id="")
+        # The robot's own units, so a simulated bag reads back exactly like a recorded one.
+        messages = state_to_joint_states(self.robot, frame.qpos, frame.qvel)
+        for topic, (names, pos, vel) in zip(self.robot.joint_state_topics, messages):
+            w.write_joint_state(topic, stamp, names, pos, vel, frame_id="")
         w.write_joint_state(lay.action_topic, stamp, ACTION_NAMES, frame.action)
         if frame.done:
             w.write_bool(lay.success_topic, stamp, frame.success)
@@ -408,9 +421,11 @@ class BagReader:
                 chunk = policy.infer(sample.observation)
     """
 
-    def __init__(self, path: str | Path, layout: BagLayout | None = None) -> None:
+    def __init__(self, path: str | Path, layout: BagLayout | None = None, robot: RobotConfig | None = None) -> None:
         self.path = Path(path)
         self.layout = layout or BagLayout()
+        # Joint states -> the policy's state vector, with the policy node's own assembler.
+        self.robot = robot or robot_for(self.layout)
         if not self.path.exists():
             raise BagError(f"bag {self.path} does not exist")
         self._ts = _typestore()
@@ -548,9 +563,9 @@ class BagReader:
         if trigger not in names:
             names.append(trigger)
         topics_here = self.topics
-        joint_topics = [t for t in (lay.left_joint_states, lay.right_joint_states) if t in topics_here]
-        if len(joint_topics) == 1:
-            raise BagError(f"{self.path} has only one of {lay.left_joint_states}, {lay.right_joint_states}")
+        joint_topics = [t for t in self.robot.joint_state_topics if t in topics_here]
+        if joint_topics and len(joint_topics) != len(self.robot.joint_state_topics):
+            raise BagError(f"{self.path} has only {', '.join(joint_topics)} of {', '.join(self.robot.joint_state_topics)}")
         optional = [
             t for t in (lay.action_topic, lay.instruction_topic, lay.episode_topic) if t in topics_here
         ]
@@ -617,9 +632,8 @@ class BagReader:
             return None
         state = qvel = None
         if joint_topics:
-            parts = [self._arm(latest[t].data, t) for t in joint_topics]
-            state = np.concatenate([p[0] for p in parts]).astype(np.float32)  # [14]
-            vels = [p[1] for p in parts]
+            state = self._state(latest, joint_topics)  # [D] float32, grippers normalized
+            vels = [self._velocity(latest[t].data) for t in joint_topics]
             qvel = None if any(v is None for v in vels) else np.concatenate(vels)
         action = None
         act = latest.get(lay.action_topic)
@@ -635,19 +649,25 @@ class BagReader:
         )
         return BagSample(observation=obs, action=action, qvel=qvel, stamps=stamps)
 
-    def _arm(self, js: JointStateMsg, topic: str) -> tuple[np.ndarray, np.ndarray | None]:
-        """[7] positions (and velocities, if present) in ARM_JOINTS order, found by name."""
+    def _state(self, latest: dict[str, BagMessage], joint_topics: list[str]) -> np.ndarray:
+        asm = StateAssembler(self.robot)
+        for k, topic in enumerate(joint_topics):
+            js = latest[topic].data
+            if js.position.size != len(js.names):
+                raise BagError(f"{topic}: {len(js.names)} names but {js.position.size} positions")
+            asm.update(k, js.names, js.position, latest[topic].stamp_ns)
+        got = asm.state()
+        if got is None:
+            raise BagError(f"{', '.join(joint_topics)}: JointState lacks joint(s) {', '.join(asm.missing())}")
+        return got[0]
+
+    @staticmethod
+    def _velocity(js: JointStateMsg) -> np.ndarray | None:
+        """[7] velocities in ARM_JOINTS order (gripper: its joint's rate), if the message has them."""
         index = {n: i for i, n in enumerate(js.names)}
-        missing = [j for j in ARM_JOINTS if j not in index]
-        if missing:
-            raise BagError(
-                f"{topic}: JointState lacks joint(s) {', '.join(missing)} (has {', '.join(js.names)})"
-            )
-        idx = [index[j] for j in ARM_JOINTS]
-        if js.position.size != len(js.names):
-            raise BagError(f"{topic}: {len(js.names)} names but {js.position.size} positions")
-        vel = js.velocity[idx] if js.velocity.size == len(js.names) else None
-        return js.position[idx], vel
+        if js.velocity.size != len(js.names) or any(j not in index for j in ARM_JOINTS):
+            return None
+        return js.velocity[[index[j] for j in ARM_JOINTS]]
 
     def _action(self, js: JointStateMsg) -> np.ndarray:
         index = {n: i for i, n in enumerate(js.names)}
@@ -710,6 +730,11 @@ class BagReader:
                 f"  #{e.index:<4} {secs:7.2f} s  {e.frames:>5} frames  {ok:<8} {e.instruction or ''}"
             )
         return "\n".join(lines)
+
+
+def robot_for(layout: BagLayout) -> RobotConfig:
+    """The ALOHA robot description with the layout's joint-state topics."""
+    return RobotConfig(joint_state_topics=(layout.left_joint_states, layout.right_joint_states))
 
 
 def bag_size_bytes(path: str | Path) -> int:

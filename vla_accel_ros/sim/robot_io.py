@@ -24,7 +24,7 @@ import numpy as np
 
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.robot.config import RobotConfig
-from vla_accel_ros.core.robot.state import GripperMap
+from vla_accel_ros.core.robot.state import GripperMap, state_to_joint_states
 from vla_accel_ros.sim.aloha import ACTION_DIM, JOINT_NAMES, SimError
 
 SIM_JOINTS = tuple(f"{side}_{j}" for side in ("left", "right") for j in JOINT_NAMES)
@@ -62,42 +62,8 @@ def joint_state_messages(
     v = np.zeros(ACTION_DIM) if qvel is None else np.asarray(qvel, np.float64)
     if q.shape != (ACTION_DIM,) or v.shape != (ACTION_DIM,):
         raise SimError(f"qpos / qvel must have shape ({ACTION_DIM},), got {q.shape} / {v.shape}")
-    g = robot.gripper
-    gm = GripperMap(g)
-    grippers = set(robot.grippers)
-    joint_span = g.joint_open - g.joint_close
-    finger_span = g.finger_open - g.finger_close
-    out = []
-    for prefix in robot.joint_state_prefixes:
-        names: list[str] = []
-        pos: list[float] = []
-        vel: list[float] = []
-        for name in robot.joint_names:
-            if not name.startswith(prefix):
-                continue
-            i = SIM_JOINTS.index(name)
-            local = name[len(prefix) :]  # what this topic calls the joint
-            if name not in grippers:
-                names.append(local)
-                pos.append(float(q[i]))
-                vel.append(float(v[i]))
-                continue
-            norm, dnorm = float(q[i]), float(v[i])
-            if g.state_source == "normalized":
-                names.append(local)
-                pos.append(norm)
-                vel.append(dnorm)
-                continue
-            names.append(local)
-            pos.append(gm.normalized_to_joint(norm))
-            vel.append(dnorm * joint_span)
-            if g.state_source == "finger":  # ALOHA: the gripper joint angle and the finger opening
-                base = local[: len(local) - len(g.gripper_joint)] if local.endswith(g.gripper_joint) else ""
-                names.append(f"{base}{g.finger_joint}")
-                pos.append(g.finger_close + norm * finger_span)
-                vel.append(dnorm * finger_span)
-        out.append((names, pos, vel))
-    return out
+    order = [SIM_JOINTS.index(n) for n in robot.joint_names]
+    return state_to_joint_states(robot, q[order], v[order])
 
 
 # -- commands in -------------------------------------------------------------------------------

@@ -112,6 +112,48 @@ class StateAssembler:
         self._stamps[:] = -1
 
 
+def state_to_joint_states(
+    robot: RobotConfig, state: np.ndarray, velocity: np.ndarray | None = None
+) -> list[tuple[list[str], list[float], list[float]]]:
+    """The inverse of :class:`StateAssembler`: a state [D] (``robot.joint_names`` order,
+    normalized grippers) as the robot publishes it, per ``robot.joint_state_topics`` entry
+    (names, positions, velocities) in robot units: arm joints as they are, each gripper as its
+    joint angle and, with ``state_source: finger``, also the finger position."""
+    q = np.asarray(state, np.float64).reshape(-1)
+    v = np.zeros_like(q) if velocity is None else np.asarray(velocity, np.float64).reshape(-1)
+    if q.shape != (robot.dim,) or v.shape != (robot.dim,):
+        raise ValueError(f"state / velocity must have {robot.dim} values, got {q.shape} / {v.shape}")
+    g = robot.gripper
+    gm = GripperMap(g)
+    grippers = set(robot.grippers)
+    joint_span = g.joint_open - g.joint_close
+    finger_span = g.finger_open - g.finger_close
+    out = []
+    for prefix in robot.joint_state_prefixes:
+        names: list[str] = []
+        pos: list[float] = []
+        vel: list[float] = []
+        for i, name in enumerate(robot.joint_names):
+            if not name.startswith(prefix):
+                continue
+            local = name[len(prefix) :]  # what this topic calls the joint
+            norm, dnorm = float(q[i]), float(v[i])
+            names.append(local)
+            if name not in grippers or g.state_source == "normalized":
+                pos.append(norm)
+                vel.append(dnorm)
+                continue
+            pos.append(gm.normalized_to_joint(norm))
+            vel.append(dnorm * joint_span)
+            if g.state_source == "finger":  # ALOHA: the gripper joint angle and the finger opening
+                base = local[: len(local) - len(g.gripper_joint)] if local.endswith(g.gripper_joint) else ""
+                names.append(f"{base}{g.finger_joint}")
+                pos.append(g.finger_close + norm * finger_span)
+                vel.append(dnorm * finger_span)
+        out.append((names, pos, vel))
+    return out
+
+
 def to_robot_units(action: np.ndarray, robot: RobotConfig) -> np.ndarray:
     """A [D] action with normalized grippers -> robot units (gripper joint angles) when
     ``gripper.command_units`` is joint; a copy either way.  # [D] float64"""
