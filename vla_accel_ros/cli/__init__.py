@@ -19,6 +19,7 @@ COMMANDS = (
     "vla_accel_ros.cli.sim_cmd",
     "vla_accel_ros.cli.bag_cmd",
     "vla_accel_ros.cli.bringup_cmd",
+    "vla_accel_ros.cli.replay_cmd",
     "vla_accel_ros.cli.record_cmd",
 )
 

@@ -1,0 +1,223 @@
+"""The replay benchmark (`vla-accel replay`) on a real few-frame bag recorded with the simulator.
+
+This is also CI's run of the benchmark end to end: tiny bundles, a two-episode bag of a few
+frames, every report file checked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gym_aloha", reason="requirements-sim.txt is not installed")
+pytest.importorskip("rosbags", reason="requirements-sim.txt is not installed")
+
+from vla_accel_ros.bench import replay as rp  # noqa: E402
+from vla_accel_ros.bench.flops import FrameWork, decoder_layer_flops, estimate_flops  # noqa: E402
+from vla_accel_ros.bench.report import PLOTS  # noqa: E402
+from vla_accel_ros.cli import main  # noqa: E402
+from vla_accel_ros.core.errors import BagError, BundleError, ConfigError  # noqa: E402
+
+EPISODES, STEPS, WARMUP = 2, 4, 2
+MODES = ["baseline", "cache", "transformers"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def sim_bag(tmp_path_factory) -> Path:
+    """Two scripted transfer_cube episodes of a few ticks, top camera rendered at 240x320."""
+    out = tmp_path_factory.mktemp("replay") / "cube_bag"
+    argv = ["sim", "record", "--task", "transfer_cube", "--episodes", str(EPISODES), "--steps", str(STEPS),
+            "--cameras", "top", "--height", "240", "--width", "320", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def replays(sim_bag, tiny_bundles, tmp_path_factory):
+    """Both families replayed through the CLI once; each mode's calls recorded in order."""
+    calls: list[tuple[str, int]] = []
+    original = rp.ModeRun.infer
+
+    def recording_infer(self, obs, noise):
+        calls.append((self.name, obs.stamp_ns))
+        return original(self, obs, noise)
+
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rp.ModeRun, "infer", recording_infer)
+        for fam in ("ar", "flow"):
+            calls.clear()
+            report = tmp_path_factory.mktemp(f"report_{fam}")
+            argv = ["replay", str(sim_bag), "--bundle", str(tiny_bundles[fam]), "--modes", ",".join(MODES),
+                    "--report", str(report), "--warmup", str(WARMUP), "--no-progress"]  # fmt: skip
+            assert main(argv) == 0
+            out[fam] = (report, json.loads((report / "report.json").read_text()), list(calls))
+    return out
+
+
+@pytest.mark.parametrize("family", ["ar", "flow"])
+def test_report_json_schema_and_values(replays, sim_bag, tiny_bundles, family: str) -> None:
+    _, rep, _ = replays[family]
+    assert rep["schema"] == rp.SCHEMA
+    assert rep["frames"] == EPISODES * STEPS - WARMUP  # every bag frame, warm-up excluded
+    assert rep["warmup"] == WARMUP
+    assert rep["bag"]["path"] == str(sim_bag) and rep["bag"]["observations"] == EPISODES * STEPS
+    assert [e["frames"] for e in rep["bag"]["episodes"]] == [STEPS] * EPISODES
+    assert rep["bundle"]["path"] == str(tiny_bundles[family]) and rep["bundle"]["family"] == family
+    assert rep["mode_order"] == MODES and set(rep["modes"]) == set(MODES)
+    assert rep["machine"]["torch_threads"] >= 1 and rep["machine"]["cpu_count"] >= 1
+    assert "--modes baseline,cache,transformers" in rep["command"]
+    for name, m in rep["modes"].items():
+        lat = m["latency_ms"]
+        assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"], name
+        assert len(m["per_frame"]["latency_ms"]) == rep["frames"]
+        assert m["speedup_vs_baseline"] > 0
+        assert 0.0 <= m["reuse_fraction"]["mean"] <= 1.0
+        assert m["flops"]["estimate"] is True and m["flops"]["gflops_per_frame"]["mean"] > 0
+        assert "total" in m["stages_ms"] and "prefill" in m["stages_ms"]
+    base = rep["modes"]["baseline"]
+    assert base["speedup_vs_baseline"] == 1.0
+    assert base["deviation"]["max_abs"] == 0.0 and base["deviation"]["max_over_std"] == 0.0
+    assert base["reuse_fraction"]["mean"] == 0.0
+    assert "select" in rep["modes"]["cache"]["stages_ms"]  # selection overhead is timed
+    # transformers computes the same policy (the parity gate's reference): near-zero deviation,
+    # which also proves the flow modes got the same noise on each frame.
+    dev = rep["modes"]["transformers"]["deviation"]
+    assert dev["max_over_std"] < 1e-2
+    if family == "ar":
+        assert dev["identical_token_share"] >= 0.9
+        assert base["deviation"]["identical_token_share"] == 1.0
+    # The transformers path scores the whole vocabulary on every row: more work than the engine.
+    assert rep["modes"]["transformers"]["flops"]["gflops_per_frame"]["mean"] >= base["flops"]["gflops_per_frame"]["mean"]
+
+
+@pytest.mark.parametrize("family", ["ar", "flow"])
+def test_interleaved_rotating_order_and_episode_resets(replays, family: str) -> None:
+    _, rep, calls = replays[family]
+    n = len(MODES)
+    frames = EPISODES * STEPS
+    assert len(calls) == frames * n  # every mode saw every frame (warm-up included)
+    for i in range(frames):
+        block = calls[i * n : (i + 1) * n]
+        assert {name for name, _ in block} == set(MODES)  # all modes on one frame before the next
+        assert len({stamp for _, stamp in block}) == 1
+        assert block[0][0] == MODES[i % n]  # the first to run rotates
+    assert rep["frame_episodes"] == [0] * (STEPS - WARMUP) + [1] * STEPS
+    # The cache starts over at the episode boundary (reset on every mode) and only there.
+    boundary = STEPS - WARMUP
+    resets = rep["modes"]["cache"]["per_frame"]["reset"]
+    assert resets[boundary] and not any(resets[boundary + 1 :])
+
+
+@pytest.mark.parametrize("family", ["ar", "flow"])
+def test_report_md_and_plots(replays, family: str) -> None:
+    report, rep, _ = replays[family]
+    md = (report / "report.md").read_text()
+    for needle in ("| mode | p50 ms | p95 ms | p99 ms | speedup vs baseline |", "Per-stage breakdown", "FLOPs estimate",
+                   rep["command"], "torch", "side by side are the figures to trust"):  # fmt: skip
+        assert needle in md
+    from PIL import Image
+
+    for name in PLOTS:
+        data = (report / name).read_bytes()
+        assert data.startswith(PNG_MAGIC)
+        with Image.open(report / name) as img:
+            img.verify()
+        assert f"]({name})" in md
+
+
+def test_cli_prints_headline(sim_bag, tiny_bundles, tmp_path, capsys) -> None:
+    argv = ["replay", str(sim_bag), "--bundle", str(tiny_bundles["ar"]), "--modes", "cache", "--report",
+            str(tmp_path / "r"), "--no-plots", "--no-parity", "--max-frames", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "speedup vs baseline" in out and "baseline" in out and "cache" in out
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert rep["frames"] == 2 and rep["mode_order"] == ["baseline", "cache"]  # baseline added first
+    assert not any((tmp_path / "r" / p).exists() for p in PLOTS)
+
+
+def test_frame_noise_is_deterministic_per_frame(tiny_bundles) -> None:
+    from vla_accel_ros.core.bundle import read_spec
+
+    spec = read_spec(tiny_bundles["flow"])
+    a, b = rp.frame_noise(0, 3, spec), rp.frame_noise(0, 3, spec)
+    assert a.shape == (spec.chunk_size, spec.action_dim) and np.array_equal(a, b)
+    assert not np.array_equal(a, rp.frame_noise(0, 4, spec))
+    assert not np.array_equal(a, rp.frame_noise(1, 3, spec))
+
+
+def test_flops_formula() -> None:
+    cfg = dict(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1)
+    # one row, 5 keys: q,o 2*8*4*2*2 + k,v 2*8*4*2*1 + mlp 6*8*16 + attn 4*2*4*5
+    assert decoder_layer_flops(cfg, 1, 5) == 2 * 8 * 4 * (2 * 2 + 2 * 1) + 6 * 8 * 16 + 4 * 2 * 4 * 5
+    from vla_accel_ros.models.factory import demo_spec
+
+    spec = demo_spec("flow", "tiny")
+    layers = spec.lm["num_hidden_layers"]
+    full = estimate_flops(spec, FrameWork(274, [274] * layers, 1), flow_steps=10)
+    partial = estimate_flops(spec, FrameWork(274, [274, 274] + [100] * (layers - 2), 1), flow_steps=10)
+    skipped = estimate_flops(spec, FrameWork(274, [18] * layers, 0), flow_steps=10)
+    assert partial["prefill"] < full["prefill"] and partial["denoise"] == full["denoise"]
+    assert skipped["vision"] == 0 and skipped["total"] < partial["total"]
+    assert full["total"] == pytest.approx(sum(v for k, v in full.items() if k != "total"))
+
+
+# -- errors: one clear line, exit code 2 ---------------------------------------------------------
+
+
+def _bag_without(tmp_path: Path, *, camera: str, joints: bool) -> Path:
+    from vla_accel_ros.core.robot.config import RobotConfig
+    from vla_accel_ros.core.robot.state import state_to_joint_states
+    from vla_accel_ros.io.bags import BagWriter
+
+    robot = RobotConfig()
+    path = tmp_path / f"bag_{camera}_{joints}"
+    with BagWriter(path) as w:
+        for i in range(4):
+            stamp = 1_000_000_000 + i * 20_000_000
+            w.write_image(f"/{camera}/camera/color/image_rect_raw", stamp, np.zeros((48, 64, 3), np.uint8))
+            if joints:
+                msgs = state_to_joint_states(robot, np.full(robot.dim, 0.5))
+                for topic, (names, pos, vel) in zip(robot.joint_state_topics, msgs):
+                    w.write_joint_state(topic, stamp, names, pos, vel)
+    return path
+
+
+def _run_cli(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vla-accel: error: ")
+    return err
+
+
+def test_errors(sim_bag, tiny_bundles, tmp_path, capsys) -> None:
+    rep = str(tmp_path / "r")
+    ar, flow = str(tiny_bundles["ar"]), str(tiny_bundles["flow"])
+    err = _run_cli(capsys, ["replay", str(tmp_path / "nope"), "--bundle", ar, "--report", rep])
+    assert "does not exist" in err
+    err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", str(tmp_path / "no_bundle"), "--report", rep])
+    assert "not a bundle" in err
+    wrong_cam = _bag_without(tmp_path, camera="cam_low", joints=True)
+    err = _run_cli(capsys, ["replay", str(wrong_cam), "--bundle", ar, "--report", rep])
+    assert "cam_high" in err and "cam_low" in err
+    no_state = _bag_without(tmp_path, camera="cam_high", joints=False)
+    err = _run_cli(capsys, ["replay", str(no_state), "--bundle", flow, "--report", rep])
+    assert "joint states" in err and "14-D state" in err
+    err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", ar, "--modes", "baseline,warp", "--report", rep])
+    assert "warp" in err and "cache" in err
+    err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", ar, "--warmup", "100", "--no-parity", "--report", rep])
+    assert "warm-up" in err
+    assert not (tmp_path / "r").exists()  # nothing written on failure
+    # The same typed errors from the Python API.
+    cfg = rp.ReplayConfig(bag=no_state, bundle=Path(flow))
+    with pytest.raises(BagError):
+        rp.run_replay(cfg)
+    with pytest.raises(BundleError):
+        rp.run_replay(rp.ReplayConfig(bag=sim_bag, bundle=tmp_path))
+    with pytest.raises(ConfigError):
+        rp.parse_modes("cache,cache")

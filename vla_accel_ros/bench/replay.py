@@ -1,0 +1,421 @@
+"""The replay benchmark: a recorded rosbag through one policy in several modes, side by side.
+
+Users record bags on their robots and replay them here to choose settings before trusting
+them on hardware. Every mode has its own policy object (caches evolve independently; the
+engine modes share one copy of the weights) and sees every frame of the bag in order. Per
+frame, all modes run on the same observation, in an order that rotates from frame to frame
+so none always runs first (or always right after bag decoding). The first ``warmup`` frames
+are processed but left out of the statistics. Flow policies get the same noise in every mode
+on a given frame (seeded by the frame index), so their deviation measures the mode, not the
+sampler. Latency is the ActionChunk's ``timings_ms["total"]``: observation in to actions out,
+preprocessing and token selection included; bag decoding is outside it.
+
+Nothing here imports rclpy: bags are read through ``vla_accel_ros.io.bags``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vla_accel_ros.bench.cache_bench import PRESETS, STAGES
+from vla_accel_ros.bench.flops import FORMULA, FrameWork, estimate_flops, work_from_stats
+from vla_accel_ros.core.errors import BagError, ConfigError
+
+SCHEMA = "vla_accel_ros.replay/1"
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A benchmark mode: PolicyConfig fields (nested ``cache`` as a dict) and how to call it."""
+
+    policy: dict[str, Any]
+    reference: bool = False  # call reference_infer (plain transformers) instead of infer
+    doc: str = ""
+
+
+# Adding a mode (e.g. token pruning, once PolicyConfig offers it) is one line here.
+MODES: dict[str, Mode] = {
+    "baseline": Mode({"accel": "none"}, doc="the engine, full prefix recompute every frame (the reference)"),
+    "transformers": Mode({"accel": "none"}, reference=True, doc="transformers' own forward and DynamicCache"),
+    "cache": Mode({"accel": "cache"}, doc="VLA-Cache token reuse, default settings"),
+    **{
+        f"cache-{name}": Mode({"accel": "cache", "cache": dict(preset)}, doc=f"token cache, bench preset {name!r}")
+        for name, preset in PRESETS.items()
+        if name != "default"
+    },
+}
+BASELINE = "baseline"
+
+
+def parse_modes(text: str | list[str] | tuple[str, ...]) -> list[str]:
+    """Mode names in run order; the baseline is added first when missing (speedup and
+    deviation are measured against it)."""
+    names = [m.strip() for m in text.split(",")] if isinstance(text, str) else [m.strip() for m in text]
+    names = [m for m in names if m]
+    unknown = [m for m in names if m not in MODES]
+    if unknown:
+        raise ConfigError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--modes lists a mode twice: {','.join(names)}")
+    if BASELINE not in names:
+        names.insert(0, BASELINE)
+    return names
+
+
+@dataclass
+class ReplayConfig:
+    bag: Path
+    bundle: Path
+    modes: tuple[str, ...] = ("baseline", "cache")
+    warmup: int = 2  # frames processed first and left out of the statistics
+    max_frames: int = 0  # timed frames at most (0: the whole bag)
+    seed: int = 0  # flow noise of frame i: default_rng((seed, i))
+    parity_check: bool = True
+    num_threads: int = 0  # torch threads (0: torch's default)
+    flow_steps: int = 0  # flow: Euler steps (0: the bundle's)
+    cache_overrides: dict[str, Any] = field(default_factory=dict)  # CacheConfig fields for every cache mode
+    max_skew_s: float = 0.1
+    trigger: str = ""  # camera whose frames make observations (empty: the bundle's first)
+
+    def validate(self) -> None:
+        if self.warmup < 0:
+            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.max_frames < 0:
+            raise ConfigError(f"--max-frames must be >= 0, got {self.max_frames}")
+        if self.flow_steps < 0:
+            raise ConfigError(f"--flow-steps must be >= 0, got {self.flow_steps}")
+        parse_modes(list(self.modes))
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def inspect_bag(path: Path, spec, trigger: str) -> dict[str, Any]:
+    """Check that the bag can feed this bundle before any weights load; return its metadata."""
+    from vla_accel_ros.io.bags import BagReader
+
+    with BagReader(path) as bag:
+        cams = bag.cameras()
+        missing = [c for c in spec.cameras if c not in cams]
+        if missing:
+            raise BagError(
+                f"bag {path} has no camera(s) {', '.join(missing)} that bundle {spec.name} needs; "
+                f"it has {', '.join(sorted(cams)) or 'none'}"
+            )
+        if trigger and trigger not in cams:
+            raise BagError(f"bag {path} has no trigger camera {trigger!r}; it has {', '.join(sorted(cams))}")
+        topics = bag.topics
+        wanted = bag.robot.joint_state_topics  # the reader assembles the state from these
+        if spec.state_dim and not all(t in topics for t in wanted):
+            raise BagError(
+                f"bag {path} has no joint states ({', '.join(wanted)}) "
+                f"but the {spec.family} bundle {spec.name} needs a {spec.state_dim}-D state"
+            )
+        if spec.state_dim and spec.state_dim != bag.robot.dim:
+            raise BagError(f"bag {path} yields {bag.robot.dim}-D states; bundle {spec.name} expects {spec.state_dim}-D")
+        trig = trigger or spec.cameras[0]
+        return {
+            "path": str(path),
+            "cameras": sorted(cams),
+            "trigger": trig,
+            "trigger_messages": topics[cams[trig]].count,
+            "duration_s": bag.duration_ns / 1e9,
+            "messages": bag.message_count,
+        }
+
+
+# ------------------------------------------------------------------------------ modes
+
+
+@dataclass
+class ModeRun:
+    """One mode's policy and everything it measured on the timed frames."""
+
+    name: str
+    mode: Mode
+    policy: Any
+    config: dict[str, Any]
+    latency: list[float] = field(default_factory=list)
+    stages: list[dict[str, float]] = field(default_factory=list)
+    stats: list[dict[str, Any]] = field(default_factory=list)
+    actions: list[np.ndarray] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    flops: list[dict[str, float]] = field(default_factory=list)
+    work: list[FrameWork] = field(default_factory=list)  # what each timed inference computed
+
+    def infer(self, obs, noise: np.ndarray):
+        if not self.mode.reference:
+            return self.policy.infer(obs, noise=noise)
+        if self.policy.family == "flow":
+            return self.policy.reference_infer(obs, noise=noise)
+        return self.policy.reference_infer(obs)  # ar: greedy, no noise
+
+
+def _policy_config(mode: Mode, cfg: ReplayConfig):
+    from vla_accel_ros.core.policy_config import PolicyConfig
+
+    fields = {k: (dict(v) if isinstance(v, dict) else v) for k, v in mode.policy.items()}
+    if fields.get("accel") == "cache" and cfg.cache_overrides:
+        fields["cache"] = {**fields.get("cache", {}), **cfg.cache_overrides}
+    # The transformers path is what the parity gate compares against; gating it is moot.
+    fields.update(
+        parity_check=cfg.parity_check and not mode.reference, num_threads=cfg.num_threads, flow_steps=cfg.flow_steps,
+        seed=cfg.seed,
+    )  # fmt: skip
+    return PolicyConfig.from_dict(fields)
+
+
+def build_runs(bundle, names: list[str], cfg: ReplayConfig) -> list[ModeRun]:
+    """One policy per mode sharing one model's weights; each engine mode passes the parity
+    gate (with ``cfg.parity_check``) before it is timed."""
+    from vla_accel_ros.bench.cache_bench import _sibling
+    from vla_accel_ros.models.factory import load_policy
+
+    configs = {n: _policy_config(MODES[n], cfg) for n in names}  # invalid overrides fail before loading
+    base = load_policy(bundle, configs[BASELINE])
+    return [
+        ModeRun(n, MODES[n], base if n == BASELINE else _sibling(base, configs[n]), configs[n].to_dict())
+        for n in names
+    ]
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def frame_noise(seed: int, index: int, spec) -> np.ndarray:
+    """The flow noise of frame ``index``: the same in every mode, reproducible across runs."""
+    rng = np.random.default_rng((seed, index))
+    return rng.standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
+
+
+def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") -> dict[str, Any]:
+    """Replay ``cfg.bag`` through ``cfg.bundle`` in every mode; returns the report (see
+    :mod:`vla_accel_ros.bench.report`)."""
+    from tqdm import tqdm
+
+    from vla_accel_ros.core.bundle import load_bundle, read_spec
+    from vla_accel_ros.io.bags import BagReader, SyncConfig
+
+    cfg.validate()
+    names = parse_modes(list(cfg.modes))
+    bag_path, bundle_path = Path(cfg.bag), Path(cfg.bundle)
+    if not bag_path.exists():
+        raise BagError(f"bag {bag_path} does not exist")
+    spec = read_spec(bundle_path)  # BundleError when it is not a bundle; cheap, before the bag
+    bag_info = inspect_bag(bag_path, spec, cfg.trigger)
+    runs = build_runs(load_bundle(bundle_path), names, cfg)
+    for r in runs:
+        r.policy.reset()  # forget the parity gate's frames
+    ref = next(r.policy for r in runs if r.name == BASELINE)
+    flow_steps = ref.num_steps if spec.family == "flow" else 0
+
+    frame_episodes: list[int] = []
+    frame_stamps: list[int] = []
+    episodes: dict[int, dict[str, Any]] = {}
+    processed = 0
+    prev_episode: int | None = None
+    expected = bag_info["trigger_messages"]
+    if cfg.max_frames:
+        expected = min(expected, cfg.warmup + cfg.max_frames)
+    bar = tqdm(total=expected, disable=not progress, unit="frame", desc="replay", dynamic_ncols=True, file=sys.stderr)
+    sync = SyncConfig(trigger=bag_info["trigger"], cameras=tuple(spec.cameras), max_skew_s=cfg.max_skew_s)
+    with BagReader(bag_path) as bag, bar:
+        for sample in bag.samples(sync):
+            obs = sample.observation
+            if spec.state_dim and obs.state is None:
+                raise BagError(f"bag {bag_path}: observation at {obs.stamp_ns} ns has no state; bundle {spec.name} needs one")
+            if prev_episode is not None and obs.episode != prev_episode:
+                for r in runs:  # a new episode: nothing carried over (the cache also keys on it)
+                    r.policy.reset()
+            prev_episode = obs.episode
+            ep = episodes.setdefault(obs.episode, {"index": obs.episode, "instruction": obs.instruction, "frames": 0})
+            ep["frames"] += 1
+            noise = frame_noise(cfg.seed, processed, spec)
+            timed = processed >= cfg.warmup
+            k = processed % len(runs)
+            for r in runs[k:] + runs[:k]:  # rotate who runs first
+                out = r.infer(obs, noise)
+                if not timed:
+                    continue
+                r.latency.append(float(out.timings_ms["total"]))
+                r.stages.append(dict(out.timings_ms))
+                r.stats.append(out.stats)
+                r.actions.append(np.asarray(out.actions, dtype=np.float32))
+                if "action_tokens" in out.stats:
+                    r.tokens.append(list(out.stats["action_tokens"]))
+                layout, _ = r.policy.layout_for(obs.instruction)
+                work = work_from_stats(spec, out.stats, layout.length, r.mode.reference)
+                r.flops.append(estimate_flops(spec, work, flow_steps=flow_steps))
+                r.work.append(work)
+            if timed:
+                frame_episodes.append(obs.episode)
+                frame_stamps.append(obs.stamp_ns)
+            processed += 1
+            bar.update(1)
+            if timed and progress:
+                bar.set_postfix_str(" ".join(f"{r.name} {statistics.median(r.latency):.0f}ms" for r in runs))
+            if cfg.max_frames and len(frame_episodes) >= cfg.max_frames:
+                break
+        skipped = dict(bag.skipped)
+    if not frame_episodes:
+        raise BagError(
+            f"bag {bag_path} yielded {processed} observation(s) for cameras {', '.join(spec.cameras)}, none after "
+            f"the {cfg.warmup} warm-up frame(s); record a longer bag or lower --warmup"
+        )
+    meta = {
+        "schema": SCHEMA,
+        "command": command,
+        "bag": {**bag_info, "observations": processed, "skipped": skipped, "episodes": list(episodes.values())},
+        "bundle": _bundle_info(bundle_path, spec, ref, flow_steps),
+        "frames": len(frame_episodes),
+        "warmup": min(cfg.warmup, processed),
+        "seed": cfg.seed,
+        "mode_order": names,
+        "machine": machine_info(),
+        "flops_formula": FORMULA,
+        "frame_episodes": frame_episodes,
+        "frame_stamps_ns": frame_stamps,
+    }
+    return {**meta, "modes": summarize(runs, spec)}
+
+
+# ------------------------------------------------------------------------------ summaries
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q))
+
+
+def _dist(xs: list[float]) -> dict[str, float]:
+    return {"p50": _pct(xs, 50), "p95": _pct(xs, 95), "p99": _pct(xs, 99), "mean": float(np.mean(xs)),
+            "min": float(np.min(xs)), "max": float(np.max(xs))}  # fmt: skip
+
+
+def deviation(run: ModeRun, ref: ModeRun, std: np.ndarray, family: str) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """Deviation from the baseline on the same frames: summary and per-frame series.
+
+    ar: share of identical action tokens and max |delta| in action units; flow (same noise
+    in every mode): max |delta| / action std."""
+    deltas = [np.abs(a - b) for a, b in zip(run.actions, ref.actions)]  # [H, D] each, robot units
+    max_abs = [float(d.max()) for d in deltas]
+    over_std = [float((d / std).max()) for d in deltas]
+    summary: dict[str, Any] = {
+        "max_abs": max(max_abs),
+        "mean_abs": float(np.mean([d.mean() for d in deltas])),
+        "max_over_std": max(over_std),
+        "p50_frame_max_over_std": float(np.median(over_std)),
+    }
+    series = {"max_abs": max_abs, "max_over_std": over_std}
+    if family == "ar" and run.tokens and ref.tokens:
+        same = [float(np.mean([x == y for x, y in zip(a, b)])) for a, b in zip(run.tokens, ref.tokens)]
+        summary["identical_token_share"] = float(np.mean(same))
+        summary["identical_chunk_share"] = float(np.mean([a == b for a, b in zip(run.tokens, ref.tokens)]))
+        series["identical_token_share"] = same
+    return summary, series
+
+
+def _scalar_stats_mean(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean of every numeric per-frame stat a planner reports (bools as a share of frames);
+    data-driven so a new planner's counters show up without code here."""
+    keys = sorted({k for s in stats for k, v in s.items() if isinstance(v, (bool, int, float))})
+    return {k: float(np.mean([float(s.get(k, 0)) for s in stats])) for k in keys}
+
+
+def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
+    ref = next(r for r in runs if r.name == BASELINE)
+    std = np.maximum(np.asarray(spec.norm_stats["action"]["std"], dtype=np.float32), 1e-6)
+    base = np.asarray(ref.latency)
+    out: dict[str, Any] = {}
+    for r in runs:
+        lat = np.asarray(r.latency)
+        reuse = [float(s.get("reuse_fraction", 0.0)) for s in r.stats]  # transformers: no reuse
+        dev, dev_series = deviation(r, ref, std, spec.family)
+        components = sorted({k for f in r.flops for k in f})
+        stages = [s for s in STAGES if any(s in t for t in r.stages)]
+        out[r.name] = {
+            "doc": r.mode.doc,
+            "reference_path": r.mode.reference,
+            "policy_config": r.config,
+            "latency_ms": _dist(r.latency),
+            "stages_ms": {s: {"p50": _pct([t.get(s, 0.0) for t in r.stages], 50),
+                              "mean": float(np.mean([t.get(s, 0.0) for t in r.stages]))} for s in stages},  # fmt: skip
+            # Ratio of medians, and the median of per-frame ratios (robust to a neighbour
+            # stealing the CPU for a few frames): both from the same frames side by side.
+            "speedup_vs_baseline": float(np.median(base) / np.median(lat)),
+            "speedup_paired_median": float(np.median(base / lat)),
+            "deviation": dev,
+            "reuse_fraction": {"mean": float(np.mean(reuse)), "min": float(np.min(reuse)), "max": float(np.max(reuse))},
+            # Prefix rows computed per LM layer (the transformers path computes all of them).
+            "prefix_len": max(w.prefix_len for w in r.work),
+            "rows_per_layer_mean": [round(float(x), 1) for x in np.mean([w.rows_per_layer for w in r.work], axis=0)],
+            "rows_computed_mean": float(np.mean([w.rows_per_layer for w in r.work])),
+            "resets": sum(bool(s.get("reset_reason")) for s in r.stats),
+            "stats_mean": _scalar_stats_mean(r.stats),
+            "flops": {
+                "estimate": True,
+                "gflops_per_frame": {"mean": float(np.mean([f["total"] for f in r.flops])) / 1e9,
+                                     "p50": _pct([f["total"] for f in r.flops], 50) / 1e9},  # fmt: skip
+                "by_component_gflops_mean": {c: float(np.mean([f.get(c, 0.0) for f in r.flops])) / 1e9 for c in components},
+            },
+            "per_frame": {
+                "latency_ms": [round(x, 3) for x in r.latency],
+                "reuse_fraction": reuse,
+                "deviation_max_abs": dev_series["max_abs"],
+                "deviation_max_over_std": dev_series["max_over_std"],
+                **({"identical_token_share": dev_series["identical_token_share"]} if "identical_token_share" in dev_series else {}),
+                "gflops": [f["total"] / 1e9 for f in r.flops],
+                "reset": [bool(s.get("reset_reason")) for s in r.stats],
+            },
+        }
+    return out
+
+
+def _bundle_info(path: Path, spec, policy, flow_steps: int) -> dict[str, Any]:
+    params = sum(p.numel() for p in policy.model.parameters())
+    info = {
+        "path": str(path),
+        "name": spec.name,
+        "family": spec.family,
+        "parameters_m": round(params / 1e6, 2),
+        "cameras": list(spec.cameras),
+        "image_size": spec.image_size,
+        "grid": spec.grid,
+        "chunk_size": spec.chunk_size,
+        "action_dim": spec.action_dim,
+        "state_dim": spec.state_dim,
+        "lm": {k: spec.lm.get(k) for k in ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size",
+                                            "num_attention_heads", "num_key_value_heads", "vocab_size")},  # fmt: skip
+        "vision": {k: spec.vision.get(k) for k in ("num_hidden_layers", "hidden_size", "intermediate_size")},
+    }
+    if spec.family == "flow":
+        info["flow_steps"] = flow_steps
+        info["expert"] = {k: spec.expert.get(k) for k in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim")}
+    return info
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count()
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+    }

@@ -1,0 +1,76 @@
+"""``vla-accel replay``: a recorded rosbag through a policy in several modes, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    # No package imports here: every `vla-accel` call registers this (torch loads only on use).
+    p = sub.add_parser(
+        "replay",
+        help="benchmark modes (baseline, cache, transformers, ...) on a recorded bag: latency, speedup, deviation",
+        description="Feed a bag's frames through the policy in every mode, interleaved per frame, and write "
+        "report.json, report.md and PNG plots into --report.",
+    )
+    p.add_argument("bag", help="rosbag2 bag directory, or a single .mcap / .db3 file")
+    p.add_argument("--bundle", required=True, help="model bundle directory")
+    p.add_argument(
+        "--modes", default="baseline,cache",
+        help="comma-separated modes run side by side (baseline is added when missing): baseline, transformers, "
+        "cache, cache-<preset> for the presets of `bench cache` (max-reuse, public-code, entropy)",
+    )  # fmt: skip
+    p.add_argument("--report", required=True, type=Path, help="directory for report.json, report.md and the plots")
+    p.add_argument("--warmup", type=int, default=2, help="first frames processed but left out of the statistics")
+    p.add_argument("--max-frames", type=int, default=0, help="timed frames at most (0: the whole bag)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-frame flow noise (shared by all modes)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--flow-steps", type=int, default=0, help="flow: Euler steps per chunk (0: the bundle's)")
+    p.add_argument(
+        "--cache", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a CacheConfig field in every cache mode (repeatable), e.g. --cache sim_threshold=0.99",
+    )  # fmt: skip
+    p.add_argument("--trigger", default="", help="camera whose frames make observations (default: the bundle's first)")
+    p.add_argument("--max-skew", type=float, default=0.1, help="seconds a camera or joint state may lag the trigger")
+    p.add_argument("--no-parity", action="store_true", help="skip the parity gate of the engine modes")
+    p.add_argument("--no-plots", action="store_true", help="write report.json and report.md only")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stdout is not a terminal)")
+    p.set_defaults(func=_replay)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The run as a command (canonical form: every option spelled out), for the report."""
+    argv = ["vla-accel", "replay", str(args.bag), "--bundle", str(args.bundle), "--modes", args.modes,
+            "--report", str(args.report), "--warmup", str(args.warmup), "--seed", str(args.seed)]  # fmt: skip
+    for flag, value, default in (
+        ("--max-frames", args.max_frames, 0), ("--threads", args.threads, 0), ("--flow-steps", args.flow_steps, 0),
+        ("--trigger", args.trigger, ""), ("--max-skew", args.max_skew, 0.1),
+    ):  # fmt: skip
+        if value != default:
+            argv += [flag, str(value)]
+    for item in args.cache:
+        argv += ["--cache", item]
+    argv += [f for f, on in (("--no-parity", args.no_parity), ("--no-plots", args.no_plots)) if on]
+    return shlex.join(argv)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from vla_accel_ros.bench.replay import ReplayConfig, parse_modes, run_replay
+    from vla_accel_ros.bench.report import headline_text, write_report
+    from vla_accel_ros.cli.cache_bench_cmd import parse_overrides
+
+    cfg = ReplayConfig(
+        bag=Path(args.bag), bundle=Path(args.bundle), modes=tuple(parse_modes(args.modes)), warmup=args.warmup,
+        max_frames=args.max_frames, seed=args.seed, parity_check=not args.no_parity, num_threads=args.threads,
+        flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache), max_skew_s=args.max_skew,
+        trigger=args.trigger,
+    )  # fmt: skip
+    progress = not args.no_progress and sys.stdout.isatty()
+    result = run_replay(cfg, progress=progress, command=command_line(args))
+    paths = write_report(result, args.report, plots=not args.no_plots)
+    print(headline_text(result))
+    print(f"report: {', '.join(str(p) for p in paths.values())}")
+    return 0
