@@ -346,7 +346,7 @@ def test_bench_scheduler_cli(tmp_path, capsys):
     from vla_accel_ros.cli import main
 
     out = tmp_path / "sched.json"
-    rc = main(["bench-scheduler", "--modes", "sync", "latest_only", "rtc", "--duration-s", "3", "--latency-ms", "100", "200", "--json", str(out)])
+    rc = main(["bench", "scheduler", "--modes", "sync", "latest_only", "rtc", "--duration-s", "3", "--latency-ms", "100", "200", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "async+rtc" in text and "disc max" in text and "hold %" in text

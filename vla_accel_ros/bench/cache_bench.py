@@ -57,22 +57,6 @@ class Contender:
         return [t.get(name, 0.0) for t in self.timings]
 
 
-def _sibling(policy, config: PolicyConfig):
-    """A policy of the same bundle sharing ``policy``'s weights, with its own cache and planner;
-    it must pass the parity gate like one built by ``load_policy``."""
-    from vla_accel_ros.core.errors import ParityError
-    from vla_accel_ros.core.parity import run_parity
-    from vla_accel_ros.models.factory import make_planner
-
-    other = type(policy)(policy.spec, policy.model, config, make_planner(config))
-    if config.parity_check:
-        report = run_parity(other, tolerance=config.parity_tolerance)
-        if not report.passed:
-            raise ParityError(f"cache contender failed the parity gate:\n{report.table()}")
-        other.parity_report = report
-    return other
-
-
 def cache_config(preset: str, overrides: dict[str, Any]) -> CacheConfig:
     if preset not in PRESETS:
         raise ConfigError(f"cache preset {preset!r} is not one of {', '.join(PRESETS)}")
@@ -93,7 +77,7 @@ def run_cache_bench(
 ) -> dict[str, Any]:
     from vla_accel_ros.bench.synthetic import synthetic_observations
     from vla_accel_ros.core.bundle import Bundle, load_bundle
-    from vla_accel_ros.models.factory import load_policy
+    from vla_accel_ros.models.factory import load_policy, sibling_policy
 
     configs = {name: cache_config(name, overrides or {}) for name in presets}  # fail before loading
     if not isinstance(bundle, Bundle):
@@ -101,7 +85,7 @@ def run_cache_bench(
     full = load_policy(bundle, PolicyConfig(accel="none", parity_check=parity_check))
     contenders = [Contender("full", full, None)]
     for name, cfg in configs.items():
-        pol = _sibling(full, PolicyConfig(accel="cache", cache=cfg, parity_check=parity_check))
+        pol = sibling_policy(full, PolicyConfig(accel="cache", cache=cfg, parity_check=parity_check))
         contenders.append(Contender(name, pol, cfg.to_dict()))
     for c in contenders:
         c.policy.reset()

@@ -176,13 +176,13 @@ def _policy_config(mode: Mode, cfg: ReplayConfig):
 def build_runs(bundle, names: list[str], cfg: ReplayConfig) -> list[ModeRun]:
     """One policy per mode sharing one model's weights; each engine mode passes the parity
     gate (with ``cfg.parity_check``) before it is timed."""
-    from vla_accel_ros.bench.cache_bench import _sibling
+    from vla_accel_ros.models.factory import sibling_policy
     from vla_accel_ros.models.factory import load_policy
 
     configs = {n: _policy_config(MODES[n], cfg) for n in names}  # invalid overrides fail before loading
     base = load_policy(bundle, configs[BASELINE])
     return [
-        ModeRun(n, MODES[n], base if n == BASELINE else _sibling(base, configs[n]), configs[n].to_dict())
+        ModeRun(n, MODES[n], base if n == BASELINE else sibling_policy(base, configs[n]), configs[n].to_dict())
         for n in names
     ]
 

@@ -15,7 +15,6 @@ COMMANDS = (
     "vla_accel_ros.cli.parity_cmd",
     "vla_accel_ros.cli.bench_cmd",
     "vla_accel_ros.cli.demo_cmd",
-    "vla_accel_ros.cli.sched_cmd",
     "vla_accel_ros.cli.sim_cmd",
     "vla_accel_ros.cli.bag_cmd",
     "vla_accel_ros.cli.bringup_cmd",

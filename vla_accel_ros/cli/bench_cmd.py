@@ -7,7 +7,7 @@ import importlib
 import json
 from pathlib import Path
 
-BENCHES = ("vla_accel_ros.cli.bench_cmd", "vla_accel_ros.cli.cache_bench_cmd")
+BENCHES = ("vla_accel_ros.cli.bench_cmd", "vla_accel_ros.cli.cache_bench_cmd", "vla_accel_ros.cli.sched_cmd")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

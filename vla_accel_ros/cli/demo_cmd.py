@@ -1,21 +1,36 @@
 """``vla-accel demo``: the main job (``make demo``).
 
-Creates the demo bundles when missing, passes each through the parity gate, runs both
-families on a synthetic moving-arm camera stream with every available acceleration mode,
-and prints latency and speedup figures measured side by side.
+1. creates the demo bundles (ar and flow) when missing;
+2. records a short scripted transfer_cube episode from the ALOHA simulator when missing;
+3. replays that bag through both families in every mode side by side (the replay
+   benchmark: latency p50/p95/p99 with selection included, speedup, deviation, reuse, FLOPs);
+4. runs the closed loop (simulator + camera + policy + controller nodes, ``bringup --sim``)
+   for a short while;
+5. prints the headline figures and where the reports are.
+
+Everything lands under ``--workdir`` (default ``artifacts/``); a second run reuses the
+bundles and the bag.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+DEMO_MODES = "transformers,baseline,cache,cache-max-reuse"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the main job: demo bundles, parity gate, side-by-side figures")
-    p.add_argument("--size", choices=("tiny", "small"), default="small")
-    p.add_argument("--frames", type=int, default=8, help="frames per family (after one warm-up frame)")
-    p.add_argument("--workdir", type=Path, default=Path("artifacts"), help="where bundles and reports go")
+    p = sub.add_parser("demo", help="the main job: bundles, sim bag, replay benchmark, closed loop")
+    p.add_argument("--size", choices=("tiny", "small"), default="small", help="demo bundle size")
+    p.add_argument("--workdir", type=Path, default=Path("artifacts"), help="where bundles, bags and reports go")
+    p.add_argument("--steps", type=int, default=40, help="simulated steps in the demo bag (50 Hz)")
+    p.add_argument("--modes", default=DEMO_MODES, help="replay modes, side by side")
+    p.add_argument("--loop-seconds", type=float, default=20.0, help="closed-loop duration (0: skip)")
+    p.add_argument("--loop-family", choices=("ar", "flow"), default="flow", help="bundle family driving the closed loop")
     p.set_defaults(func=_run)
 
 
@@ -25,39 +40,61 @@ def ensure_demo_bundle(workdir: Path, family: str, size: str) -> Path:
 
     path = workdir / "bundles" / f"{family}-{size}"
     if not ((path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()):
-        print(f"creating demo bundle {path} ...", flush=True)
+        print(f"[demo] creating {family} bundle {path}", flush=True)
         create_demo_bundle(family, size, path)
     return path
 
 
+def _vla_accel(*args: str) -> list[str]:
+    return [sys.executable, "-m", "vla_accel_ros.cli", *args]
+
+
+def ensure_demo_bag(workdir: Path, steps: int) -> Path:
+    bag = workdir / "bags" / f"transfer_cube-{steps}"
+    if not (bag / "metadata.yaml").is_file():
+        print(f"[demo] recording {steps} scripted transfer_cube steps from the simulator into {bag}", flush=True)
+        bag.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            _vla_accel("sim", "record", "--task", "transfer_cube", "--episodes", "1", "--steps", str(steps),
+                       "--cameras", "top", "--out", str(bag)),
+            check=True, env={**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")},
+        )  # fmt: skip
+    return bag
+
+
 def _run(args: argparse.Namespace) -> int:
-    import numpy as np
+    from vla_accel_ros.bench.replay import ReplayConfig, parse_modes, run_replay
+    from vla_accel_ros.bench.report import headline_text, write_report
 
-    from vla_accel_ros.bench.synthetic import synthetic_observations
-    from vla_accel_ros.core.policy_config import PolicyConfig
-    from vla_accel_ros.models.factory import load_policy
+    work = args.workdir
+    bundles = {fam: ensure_demo_bundle(work, fam, args.size) for fam in ("ar", "flow")}
+    bag = ensure_demo_bag(work, args.steps)
 
-    for family in ("ar", "flow"):
-        path = ensure_demo_bundle(args.workdir, family, args.size)
-        policy = load_policy(path, PolicyConfig(accel="none"))
-        print(f"\n== {family} ({path}): parity gate")
-        print(policy.parity_report.table())
-        frames = synthetic_observations(policy.spec, args.frames + 1)
-        noise = np.random.default_rng(0).standard_normal((policy.spec.chunk_size, policy.spec.action_dim)).astype(np.float32)
-        ref_ms, eng_ms, stages = [], [], {}
-        for i, obs in enumerate(frames):
-            ref = policy.reference_infer(obs, **({"noise": noise} if family == "flow" else {}))
-            got = policy.infer(obs, noise=noise)
-            if i == 0:
-                continue  # warm-up
-            ref_ms.append(ref.timings_ms["total"])
-            eng_ms.append(got.timings_ms["total"])
-            for k, v in got.timings_ms.items():
-                stages.setdefault(k, []).append(v)
-        p50 = lambda xs: float(np.median(xs))  # noqa: E731
-        print(f"== {family}: obs-to-action latency over {args.frames} synthetic frames (interleaved)")
-        print(f"  transformers forward   p50 {p50(ref_ms):8.1f} ms   p95 {np.percentile(ref_ms, 95):8.1f} ms")
-        print(f"  engine                 p50 {p50(eng_ms):8.1f} ms   p95 {np.percentile(eng_ms, 95):8.1f} ms"
-              f"   speedup {p50(ref_ms) / p50(eng_ms):.2f}x")
-        print("  engine stages (p50 ms): " + ", ".join(f"{k} {p50(v):.1f}" for k, v in stages.items() if k != "total"))
+    reports = {}
+    for family, bundle in bundles.items():
+        print(f"\n[demo] replay benchmark: {family} bundle, modes {args.modes}", flush=True)
+        cfg = ReplayConfig(bag=bag, bundle=bundle, modes=tuple(parse_modes(args.modes)))
+        result = run_replay(cfg, progress=sys.stdout.isatty(), command=f"vla-accel demo ({family})")
+        out = work / "reports" / f"replay-{family}-{args.size}"
+        write_report(result, out)
+        reports[family] = out
+        print(headline_text(result))
+
+    loop = None
+    if args.loop_seconds > 0:
+        print(f"\n[demo] closed loop: simulator + camera + policy + controller, {args.loop_family} bundle, "
+              f"{args.loop_seconds:.0f} s", flush=True)  # fmt: skip
+        loop = work / "reports" / f"closed-loop-{args.loop_family}-{args.size}.json"
+        loop.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            _vla_accel("bringup", "--sim", "--bundle", str(bundles[args.loop_family]),
+                       "--duration", str(args.loop_seconds), "--json", str(loop)),
+            check=True,
+        )  # fmt: skip
+
+    print("\n[demo] reports:")
+    for family, out in reports.items():
+        print(f"  replay {family}: {out / 'report.md'} (report.json, plots)")
+    if loop is not None:
+        print(f"  closed loop: {loop} (summary printed above)")
     return 0

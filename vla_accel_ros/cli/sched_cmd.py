@@ -1,4 +1,4 @@
-"""``vla-accel bench-scheduler``: every scheduling mode on the same simulated run, side by side."""
+"""``vla-accel bench scheduler``: every scheduling mode on the same simulated run, side by side."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ _COLUMNS = (  # header, SimResult -> value, format
 )
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bench-scheduler",
+def register_bench(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "scheduler",
         help="compare action-chunk scheduling modes on a simulated clock",
         description="Runs a synthetic flow policy (smooth trajectory, per-chunk errors) through the "
         "scheduler in every mode on the same simulated run and prints boundary discontinuity, jerk, "

@@ -142,27 +142,37 @@ def load_policy(
 ):
     """A ready policy. With ``config.parity_check`` the accelerated path must pass the parity
     gate first, or this raises :class:`ParityError` (the policy refuses to start)."""
-    config = config or PolicyConfig()
     if not isinstance(bundle, Bundle):
         bundle = load_bundle(bundle)
-    model = model_from_bundle(bundle)
+    return build_policy(bundle.spec, model_from_bundle(bundle), config, planner=planner, where=str(bundle.path))
+
+
+def build_policy(spec: BundleSpec, model: nn.Module, config: PolicyConfig | None = None, *, planner=None, where: str = ""):
+    """A policy around already-built modules (several policies may share one model's weights,
+    each with its own KV cache and planner), gated like :func:`load_policy`."""
+    config = config or PolicyConfig()
     planner = planner or make_planner(config)
-    if bundle.spec.family == "ar":
+    if spec.family == "ar":
         from vla_accel_ros.models.ar import ArPolicy
 
-        policy = ArPolicy(bundle.spec, model, config, planner)
+        policy = ArPolicy(spec, model, config, planner)
     else:
         from vla_accel_ros.models.flow import FlowPolicy
 
-        policy = FlowPolicy(bundle.spec, model, config, planner)
+        policy = FlowPolicy(spec, model, config, planner)
     if config.parity_check:
         from vla_accel_ros.core.parity import run_parity
 
         report = run_parity(policy, tolerance=config.parity_tolerance)
         if not report.passed:
-            raise ParityError(f"{bundle.path}: parity gate failed, the policy refuses to start:\n{report.table()}")
+            raise ParityError(f"{where or spec.name}: parity gate failed, the policy refuses to start:\n{report.table()}")
         policy.parity_report = report
     return policy
+
+
+def sibling_policy(policy, config: PolicyConfig):
+    """Another policy on ``policy``'s weights with its own cache, planner and config."""
+    return build_policy(policy.spec, policy.model, config, where=policy.spec.name)
 
 
 def describe(bundle: Bundle) -> str:

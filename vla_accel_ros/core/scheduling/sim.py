@@ -1,6 +1,6 @@
 """A deterministic closed loop on a simulated clock: policy + latency + scheduler, no ROS.
 
-Used by the tests and by ``vla-accel bench-scheduler`` to compare scheduling modes on the same
+Used by the tests and by ``vla-accel bench scheduler`` to compare scheduling modes on the same
 run. Events happen in time order: a chunk lands at ``request time + latency`` (between ticks if
 the latency says so), ticks come every dt; at each tick the loop steps the scheduler, then asks
 it whether to infer, exactly as the action-controller node does.
