@@ -283,7 +283,6 @@ class PolicyNode(Node):
             reason, self._pending_reset = self._pending_reset, ""
         if reason and self.policy is not None:
             self.policy.reset()
-            self.resets_total += 1
             self._reset_reason = reason
 
     def _reconfigure(self, old, new) -> None:
@@ -294,7 +293,6 @@ class PolicyNode(Node):
         changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         if any(k.split(".")[0] not in _NOT_PLANNER for k in changed):
             self.policy.planner = make_planner(new)  # a fresh planner: its caches start empty
-            self.resets_total += 1
             self._reset_reason = "config"
         self.get_logger().info(f"applied policy.{', policy.'.join(changed)}")
 
@@ -322,7 +320,11 @@ class PolicyNode(Node):
         chunk = policy.infer(obs, guidance=job.guidance)
         now = self.get_clock().now().nanoseconds
         latency_ms = (now - job.stamp_ns) / 1e6
-        reason, self._reset_reason = getattr(self, "_reset_reason", ""), ""
+        # One count per inference that started from an empty cache, whoever decided it: this
+        # node (instruction, episode, config) or the planner itself (scene cut, camera change).
+        reason, self._reset_reason = self._reset_reason or str(chunk.stats.get("reset_reason", "")), ""
+        if reason:
+            self.resets_total += 1
         self._chunk_pub.publish(chunk_to_msg(chunk, request_id=job.request_id, latency_ms=latency_ms))
         self._stats_pub.publish(
             stats_to_msg(chunk, motion_mode=MODE_NAMES.get(mode, "coarse"), resets_total=self.resets_total, reset_reason=reason)
