@@ -85,8 +85,7 @@ def _record(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     t0 = time.perf_counter()
-    compress = args.storage == "mcap" and not args.no_compress
-    with BagWriter(args.out, storage=args.storage, compress=compress) as writer:
+    with BagWriter(args.out, storage=args.storage, compress=False if args.no_compress else None) as writer:
         rec = FrameRecorder(writer, start_ns=start_ns)
         for frame in frames:
             rec.write(frame)

@@ -26,23 +26,27 @@ recorded or simulated, into time-ordered synchronized observations.
 
 from __future__ import annotations
 
-import io
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import BagError
+from vla_accel_ros.core.robot import config
 from vla_accel_ros.core.robot.config import RobotConfig
+from vla_accel_ros.core.robot.images import ENCODINGS, ImageError, decode_compressed, decode_raw
 from vla_accel_ros.core.robot.state import StateAssembler, state_to_joint_states
 from vla_accel_ros.core.types import Observation
 
+if TYPE_CHECKING:
+    from typing import Self  # Python >= 3.11; Humble runs 3.10
+
 STORAGES = ("mcap", "sqlite3")
-ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper")
-ACTION_NAMES = tuple(f"{side}_{j}" for side in ("left", "right") for j in ARM_JOINTS)
+ARM_JOINTS = (*config.ARM_JOINTS, "gripper")  # one arm's joint_states names, gripper last
+ACTION_NAMES = config.ALOHA_JOINT_NAMES
 
 IMAGE = "sensor_msgs/msg/Image"
 COMPRESSED = "sensor_msgs/msg/CompressedImage"
@@ -50,16 +54,6 @@ JOINT_STATE = "sensor_msgs/msg/JointState"
 STRING = "std_msgs/msg/String"
 INT32 = "std_msgs/msg/Int32"
 BOOL = "std_msgs/msg/Bool"
-# Channels per pixel and whether the channel order must be reversed to get RGB.
-_ENCODINGS = {
-    "rgb8": (3, False),
-    "bgr8": (3, True),
-    "rgba8": (4, False),
-    "bgra8": (4, True),
-    "mono8": (1, False),
-    "8UC3": (3, False),
-    "8UC1": (1, False),
-}
 
 
 @dataclass(frozen=True)
@@ -190,7 +184,36 @@ def _rosbag_errors() -> tuple[type[BaseException], ...]:
 # --------------------------------------------------------------------------------- writing
 
 
-class BagWriter:
+class _BagFile:
+    """Open/close and context-manager plumbing shared by the reader and the writer; the
+    subclass sets ``path``, ``_handle`` (the rosbags Reader or Writer) and ``_open_what``."""
+
+    path: Path
+    _handle: Any
+    _open_what: str
+    _open = False
+
+    def __enter__(self) -> Self:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def open(self) -> None:
+        try:
+            self._handle.open()
+        except _rosbag_errors() as e:
+            raise BagError(self._open_what.format(path=self.path, error=e)) from e
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._handle.close()
+
+
+class BagWriter(_BagFile):
     """Write a rosbag2 directory ``path`` (must not exist) in MCAP or sqlite3 storage.
 
     Example::
@@ -223,30 +246,16 @@ class BagWriter:
             # zstd-compressed MCAP chunks: transparent to every MCAP reader (rosbag2's too),
             # unlike rosbag2's file/message compression modes.
             self._writer.set_compression(CompressionMode.STORAGE, CompressionFormat.ZSTD)
+        self._handle = self._writer
+        self._open_what = "cannot create bag {path}: {error}"
         self._connections: dict[str, Any] = {}
         self._types: dict[str, str] = {}
-        self._open = False
-
-    def __enter__(self) -> BagWriter:
-        self.open()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def open(self) -> None:
-        try:
-            self._writer.open()
-        except _rosbag_errors() as e:
-            raise BagError(f"cannot create bag {self.path}: {e}") from e
-        self._open = True
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self._writer.close()
 
     def _write(self, topic: str, msgtype: str, stamp_ns: int, msg: Any) -> None:
+        self.write_cdr(topic, msgtype, stamp_ns, self._ts.serialize_cdr(msg, msgtype))
+
+    def write_cdr(self, topic: str, msgtype: str, stamp_ns: int, data: bytes) -> None:
+        """Write one already serialized (CDR) message of a type the bag's typestore knows."""
         if not self._open:
             raise BagError(f"bag {self.path} is not open for writing")
         if stamp_ns < 0:
@@ -258,7 +267,7 @@ class BagWriter:
             self._types[topic] = msgtype
         elif self._types[topic] != msgtype:
             raise BagError(f"{topic} carries {self._types[topic]}, cannot also write {msgtype}")
-        self._writer.write(conn, int(stamp_ns), self._ts.serialize_cdr(msg, msgtype))
+        self._writer.write(conn, int(stamp_ns), data)
 
     def _header(self, stamp_ns: int, frame_id: str) -> Any:
         t = self._ts.types
@@ -370,47 +379,33 @@ class FrameRecorder:
 
 
 def image_to_rgb(
-    height: int, width: int, encoding: str, step: int, data: np.ndarray, where: str = ""
+    height: int, width: int, encoding: str, step: int, data: Any, where: str = "", is_bigendian: bool = False
 ) -> np.ndarray:
-    """[H, W, 3] uint8 RGB from a sensor_msgs/Image's fields, honouring row padding (step)."""
-    if encoding not in _ENCODINGS:
-        raise BagError(
-            f"{where}: unsupported image encoding {encoding!r} (supported: {', '.join(_ENCODINGS)})"
-        )
-    channels, reverse = _ENCODINGS[encoding]
-    row = width * channels
-    buf = (
-        np.frombuffer(data, dtype=np.uint8)
-        if not isinstance(data, np.ndarray)
-        else data.view(np.uint8).reshape(-1)
-    )
+    """[H, W, 3] uint8 RGB from a sensor_msgs/Image's fields, decoded exactly as the camera
+    node decodes live frames; a recorded last row may omit its padding."""
+    enc = ENCODINGS.get(encoding)
+    if enc is None:
+        raise BagError(f"{where}: unsupported image encoding {encoding!r} (supported: {', '.join(ENCODINGS)})")
+    row = width * enc.channels * enc.depth
+    buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
     if height <= 0 or width <= 0 or step < row or buf.size < step * (height - 1) + row:
-        raise BagError(
-            f"{where}: image {width}x{height} {encoding} step {step} does not fit {buf.size} bytes"
-        )
-    if buf.size < step * height:  # the last row may omit its padding
+        raise BagError(f"{where}: image {width}x{height} {encoding} step {step} does not fit {buf.size} bytes")
+    if buf.size < step * height:
         buf = np.concatenate([buf, np.zeros(step * height - buf.size, np.uint8)])
-    img = buf[: step * height].reshape(height, step)[:, :row].reshape(height, width, channels)
-    if channels == 1:
-        return np.repeat(img, 3, axis=2)
-    img = img[:, :, :3]
-    # A copy: views would pin (and be read-only into) the bag's decompressed chunk.
-    return np.array(img[:, :, ::-1] if reverse else img, order="C", copy=True)
+    try:
+        return decode_raw(encoding, height, width, step, is_bigendian, buf[: step * height])
+    except ImageError as e:
+        raise BagError(f"{where}: {e}") from e
 
 
-def _decode_compressed(data: np.ndarray, where: str) -> np.ndarray:
+def _decode_compressed(fmt: str, data: Any, where: str) -> np.ndarray:
     try:
-        from PIL import Image, UnidentifiedImageError
-    except ImportError as e:
-        raise BagError(f"{where}: CompressedImage needs Pillow ({e})") from e
-    try:
-        with Image.open(io.BytesIO(np.asarray(data, dtype=np.uint8).tobytes())) as im:
-            return np.asarray(im.convert("RGB"))
-    except (UnidentifiedImageError, OSError) as e:
+        return decode_compressed(fmt, data)
+    except ImageError as e:
         raise BagError(f"{where}: cannot decode compressed image: {e}") from e
 
 
-class BagReader:
+class BagReader(_BagFile):
     """Read a rosbag2 bag (directory, or a single .mcap / .db3 file).
 
     Example (the replay benchmark)::
@@ -426,37 +421,20 @@ class BagReader:
         self.layout = layout or BagLayout()
         # Joint states -> the policy's state vector, with the policy node's own assembler.
         self.robot = robot or robot_for(self.layout)
+        self._assembler = StateAssembler(self.robot)  # reset per sample; its name maps are built once
         if not self.path.exists():
             raise BagError(f"bag {self.path} does not exist")
         self._ts = _typestore()
         from rosbags.rosbag2 import Reader
 
+        self._open_what = "{path} is not a readable rosbag2 bag: {error}"
         try:
             self._reader = Reader(self.path)
         except _rosbag_errors() as e:
-            raise BagError(f"{self.path} is not a readable rosbag2 bag: {e}") from e
-        self._open = False
+            raise BagError(self._open_what.format(path=self.path, error=e)) from e
+        self._handle = self._reader
         # What samples() skipped and why, for the benchmark's report.
         self.skipped: dict[str, int] = {"incomplete": 0, "stale": 0}
-
-    def __enter__(self) -> BagReader:
-        self.open()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def open(self) -> None:
-        try:
-            self._reader.open()
-        except _rosbag_errors() as e:
-            raise BagError(f"{self.path} is not a readable rosbag2 bag: {e}") from e
-        self._open = True
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self._reader.close()
 
     def _check(self) -> None:
         if not self._open:
@@ -501,8 +479,9 @@ class BagReader:
         }
 
     # -- messages ------------------------------------------------------------------------
-    def messages(self, topics: Iterable[str] | None = None) -> Iterator[BagMessage]:
-        """Messages in bag-timestamp order, decoded (see :class:`BagMessage`)."""
+    def messages(self, topics: Iterable[str] | None = None, raw: Iterable[str] = ()) -> Iterator[BagMessage]:
+        """Messages in bag-timestamp order, decoded (see :class:`BagMessage`); those of the
+        ``raw`` topics keep their CDR bytes (for callers that only count or copy them)."""
         self._check()
         wanted = None if topics is None else set(topics)
         conns = [c for c in self._reader.connections if wanted is None or c.topic in wanted]
@@ -513,11 +492,12 @@ class BagReader:
         if not conns:
             return
         errors = _rosbag_errors()
+        keep_raw = set(raw)
         try:
-            for conn, stamp, raw in self._reader.messages(connections=conns):
-                yield BagMessage(
-                    conn.topic, int(stamp), conn.msgtype, self._decode(conn.topic, conn.msgtype, raw)
-                )
+            for conn, stamp, data in self._reader.messages(connections=conns):
+                if conn.topic not in keep_raw:
+                    data = self._decode(conn.topic, conn.msgtype, data)
+                yield BagMessage(conn.topic, int(stamp), conn.msgtype, data)
         except errors as e:
             raise BagError(f"{self.path}: malformed data: {e}") from e
 
@@ -526,9 +506,9 @@ class BagReader:
             return raw  # a type this typestore does not know: hand over the CDR bytes
         msg = self._ts.deserialize_cdr(raw, msgtype)
         if msgtype == IMAGE:
-            return image_to_rgb(msg.height, msg.width, msg.encoding, msg.step, msg.data, topic)
+            return image_to_rgb(msg.height, msg.width, msg.encoding, msg.step, msg.data, topic, bool(msg.is_bigendian))
         if msgtype == COMPRESSED:
-            return _decode_compressed(msg.data, topic)
+            return _decode_compressed(msg.format, msg.data, topic)
         if msgtype == JOINT_STATE:
             return JointStateMsg(
                 tuple(msg.name),
@@ -650,7 +630,8 @@ class BagReader:
         return BagSample(observation=obs, action=action, qvel=qvel, stamps=stamps)
 
     def _state(self, latest: dict[str, BagMessage], joint_topics: list[str]) -> np.ndarray:
-        asm = StateAssembler(self.robot)
+        asm = self._assembler
+        asm.reset()
         for k, topic in enumerate(joint_topics):
             js = latest[topic].data
             if js.position.size != len(js.names):
@@ -692,7 +673,7 @@ class BagReader:
         ]
         out: list[EpisodeSummary] = []
         cur: EpisodeSummary | None = None
-        for m in self.messages(wanted):
+        for m in self.messages(wanted, raw=[trig_topic] if trig_topic else []):  # frames are only counted
             if m.topic == lay.episode_topic or cur is None:
                 index = int(m.data) if m.topic == lay.episode_topic else 0
                 cur = EpisodeSummary(index, m.stamp_ns, m.stamp_ns, None, None, 0)

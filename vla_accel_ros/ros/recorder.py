@@ -76,8 +76,12 @@ class RecorderNode(Node):
         if not cfg.topics:
             raise ConfigError("parameter 'topics' is empty: nothing to record")
         lay = BagLayout()
-        self._rank = {lay.episode_topic: -2, lay.instruction_topic: -1}  # within a stamp: marker, instruction, data
         ns = self.get_namespace().rstrip("/")
+        # Within a stamp: episode marker, instruction, data; the graph publishes these topics
+        # absolute or under its namespace, so both spellings rank.
+        self._rank: dict[str, int] = {}
+        for topic, rank in ((lay.episode_topic, -2), (lay.instruction_topic, -1)):
+            self._rank[topic] = self._rank[ns + topic] = rank
         self.wanted = list(dict.fromkeys(t if t.startswith("/") else f"{ns}/{t}" for t in cfg.topics))
         self.writer = CdrBagWriter(cfg.out, storage=cfg.storage, compress=cfg.compress)
         self.writer.open()

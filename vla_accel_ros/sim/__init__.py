@@ -26,8 +26,8 @@ from vla_accel_ros.sim.aloha import (
     SimObservation,
     sample_object_qpos,
 )
-from vla_accel_ros.sim.episodes import Frame, scripted_episode_frames, scripted_frames
-from vla_accel_ros.sim.scripted import ScriptedExpert, ScriptedTrajectory, scripted_trajectory
+from vla_accel_ros.sim.episodes import Frame, ScriptedTrajectory, scripted_episode_frames, scripted_frames, scripted_trajectory
+from vla_accel_ros.sim.scripted import ScriptedExpert
 
 __all__ = [
     "ACTION_DIM",

@@ -25,6 +25,7 @@ import numpy as np
 
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import VlaAccelError
+from vla_accel_ros.core.robot.config import ARM_JOINTS
 
 # Headless CPU machines have no display; EGL renders offscreen. dm_control reads this when
 # it is first imported, so it must be set before the lazy import in _sim_modules().
@@ -33,7 +34,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 TASK_NAMES = ("transfer_cube", "insertion")
 # Cameras defined by the scene XML; gym-aloha itself only ever shows "top".
 CAMERA_NAMES = ("top", "angle", "front_close", "left_pillar", "right_pillar", "left_wrist", "right_wrist")
-JOINT_NAMES = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper")
+JOINT_NAMES = (*ARM_JOINTS, "gripper")  # one arm, in the simulator's qpos order
 ACTION_DIM = 14
 DT = 0.02  # control period in seconds (50 Hz), the rate ALOHA records and acts at
 EPISODE_STEPS = 300  # gym-aloha's episode length (6 s)

@@ -23,11 +23,11 @@ from typing import Sequence
 import numpy as np
 
 from vla_accel_ros.core.errors import ConfigError
-from vla_accel_ros.core.robot.config import RobotConfig
+from vla_accel_ros.core.robot.config import ALOHA_JOINT_NAMES, RobotConfig
 from vla_accel_ros.core.robot.state import GripperMap, state_to_joint_states
-from vla_accel_ros.sim.aloha import ACTION_DIM, JOINT_NAMES, SimError
+from vla_accel_ros.sim.aloha import ACTION_DIM, SimError
 
-SIM_JOINTS = tuple(f"{side}_{j}" for side in ("left", "right") for j in JOINT_NAMES)
+SIM_JOINTS = ALOHA_JOINT_NAMES  # the simulator's 14-D order is the robot's
 # Backends the simulator can follow: the end-effector ones would need inverse kinematics.
 SIM_BACKENDS = ("joint_state", "float64_multi_array", "joint_trajectory", "interbotix")
 

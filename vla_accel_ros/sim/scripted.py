@@ -26,15 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vla_accel_ros.sim.aloha import (
-    EPISODE_STEPS,
-    TASK_NAMES,
-    AlohaSim,
-    EpisodeResult,
-    MocapSim,
-    SimConfig,
-    SimError,
-)
+from vla_accel_ros.sim.aloha import TASK_NAMES, MocapSim, SimError
 
 # ---------------------------------------------------------------------------- quaternions
 # wxyz, the order MuJoCo uses for mocap_quat.
@@ -323,33 +315,3 @@ class ScriptedExpert:
         """[14] the joint-position action for control step ``step`` (0-based, in order)."""
         self.mocap.step(self.script(step, np.asarray(object_qpos, dtype=np.float64)))
         return self.mocap.joint_command()
-
-
-@dataclass
-class ScriptedTrajectory:
-    """A scripted demonstration in joint space.
-
-    actions: [T, 14] joint-position actions (grippers normalized); ``AlohaSim.reset(seed)``
-    followed by these actions reproduces ``result``.
-    """
-
-    task: str
-    seed: int
-    actions: np.ndarray
-    result: EpisodeResult
-
-
-def scripted_trajectory(task: str, seed: int, steps: int = EPISODE_STEPS) -> ScriptedTrajectory:
-    """Script one demonstration without rendering (about 0.3 s per 300 steps)."""
-    if steps < 1:
-        raise SimError(f"steps must be >= 1, got {steps}")
-    sim = AlohaSim(SimConfig(task=task, cameras=()))
-    sim.reset(seed)
-    expert = ScriptedExpert(task, sim.seed, sim.object_qpos)
-    actions = np.empty((steps, 14))
-    rewards = []
-    for t in range(steps):
-        actions[t] = expert.act(t, sim.object_qpos)
-        rewards.append(sim.step(actions[t]).reward)
-    result = EpisodeResult(task, sim.seed, steps, sim.max_reward, sim.reward, rewards)
-    return ScriptedTrajectory(task, sim.seed, actions, result)

@@ -127,15 +127,3 @@ class CdrBagWriter(BagWriter):
         """Whether the type's first field is a std_msgs/Header (its stamp then dates the message)."""
         fields = self._ts.fielddefs[msgtype][1]
         return bool(fields) and fields[0][1][-1] == "std_msgs/msg/Header"
-
-    def write_cdr(self, topic: str, msgtype: str, stamp_ns: int, data: bytes) -> None:
-        if not self._open:
-            raise BagError(f"bag {self.path} is not open for writing")
-        conn = self._connections.get(topic)
-        if conn is None:
-            conn = self._writer.add_connection(topic, msgtype, typestore=self._ts)
-            self._connections[topic] = conn
-            self._types[topic] = msgtype
-        elif self._types[topic] != msgtype:
-            raise BagError(f"{topic} carries {self._types[topic]}, cannot also write {msgtype}")
-        self._writer.write(conn, int(stamp_ns), bytes(data))
