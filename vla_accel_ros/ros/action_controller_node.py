@@ -106,8 +106,11 @@ class ActionControllerNode(Node):
         self._request_pub = self.create_publisher(ChunkRequest, graph.CHUNK_REQUEST, qos.RELIABLE)
         self._motion_pub = self.create_publisher(MotionState, graph.MOTION_STATE, qos.RELIABLE)
         self._diag_pub = self.create_publisher(DiagnosticArray, graph.DIAGNOSTICS, qos.RELIABLE)
-        self._timer = self.create_timer(cfg.scheduler.dt, self._on_tick, callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_timer(cfg.diagnostics_period_s, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
+        # Diagnostics read the scheduler and the loop statistics, which only the tick thread
+        # touches: the same mutually exclusive group keeps the two from ever overlapping.
+        control = MutuallyExclusiveCallbackGroup()
+        self._timer = self.create_timer(cfg.scheduler.dt, self._on_tick, callback_group=control)
+        self.create_timer(cfg.diagnostics_period_s, self._publish_diagnostics, callback_group=control)
         self.get_logger().info(
             f"{cfg.scheduler.control_rate_hz:g} Hz, {cfg.scheduler.mode}"
             f"{' + RTC' if cfg.scheduler.rtc else ''}, backend {cfg.command.backend} -> {', '.join(self.backend.topics())}; "
