@@ -182,10 +182,14 @@ class TokenCachePlanner:
         if fixed.numel():
             start[fixed] = 0  # context-free K/V (BOS under a causal mask): exact at every layer
         layer_slots: list[torch.Tensor] = []
+        changes = set(start.tolist())  # the rows only shrink at layers where some slot's reuse starts
         for l in range(L):
+            if layer_slots and l not in changes:
+                layer_slots.append(layer_slots[-1])  # same set: the engine skips re-indexing on identity
+                continue
             rows = torch.nonzero(start > l).flatten()
             if layer_slots and rows.numel() == layer_slots[-1].numel():
-                rows = layer_slots[-1]  # same set: the engine skips re-indexing on identity
+                rows = layer_slots[-1]
             layer_slots.append(rows)
         full = all(r.numel() == lay.length for r in layer_slots)
         plan = PrefixPlan(layer_slots=layer_slots, taps=taps, full=full)
@@ -207,14 +211,17 @@ class TokenCachePlanner:
             k = sel.scaled_count(cfg.relevance_topk, T)
             evicted = cand & sel.relevant_tokens(self._relevance, cfg.relevance_mode, cfg.relevance_threshold, k)
             cand = cand & ~evicted
-        keep = sel.topk_mask(sim, cand, sel.scaled_count(cfg.topk_reuse, T))
+        # One ranking serves the cap and the layer schedule: a kept token's rank among the
+        # candidates is its rank among the kept ones (everything ranked above it is kept too).
+        rank = sel.rank_within(sim, cand)  # [C, T]
+        keep = cand & (rank < sel.scaled_count(cfg.topk_reuse, T))
+        rank = torch.where(keep, rank, torch.full_like(rank, T))
         capped = cand & ~keep
         # Layer schedule: the alpha_l * n most similar reusable tokens are reused at layer l;
         # alpha is non-decreasing, so each token's reuse starts at one layer and lasts.
         alpha = layer_alpha(cfg, self._entropy, L)
-        rank = sel.rank_within(sim, keep)  # [C, T]
-        n = keep.sum(-1)  # [C]
-        counts = torch.tensor([[math.floor(a * int(c) + 1e-9) for c in n] for a in alpha], dtype=torch.long)  # [L, C]
+        n = keep.sum(-1).tolist()  # [C]
+        counts = torch.tensor([[math.floor(a * c + 1e-9) for c in n] for a in alpha], dtype=torch.long)  # [L, C]
         reused_at = counts[:, :, None] > rank[None]  # [L, C, T], monotone in l
         reuse_start = L - reused_at.sum(0)  # [C, T]
         return Selection(sim, static, cut, aged, evicted, capped, reuse_start, alpha)

@@ -40,13 +40,7 @@ def scaled_count(per_256: int, tokens: int) -> int:
 
 def topk_mask(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
     """Per row, the ``k`` highest-scoring eligible entries (ties: lower index first).  [C, T] bool"""
-    if k <= 0:
-        return torch.zeros_like(eligible)
-    s = torch.where(eligible, scores, torch.full_like(scores, float("-inf")))
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices  # [C, T]
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
-    return eligible & (rank < k)
+    return eligible & (rank_within(scores, eligible) < k)
 
 
 def rank_within(scores: torch.Tensor, members: torch.Tensor) -> torch.Tensor:

@@ -168,9 +168,6 @@ class SafetyConfig(Config):
     watchdog_periods: int = param(
         50, doc="hold position after this many control periods without a fresh chunk", range=(1, 1_000_000)
     )
-    hold: str = param(
-        "last", doc="what holding commands: last (repeat the last command) or none (publish nothing)", choices=("last", "none")
-    )
     start_enabled: bool = param(False, doc="command output enabled at start-up (else call ~/enable)")
     require_reference: bool = param(
         True,

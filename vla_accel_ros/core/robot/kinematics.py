@@ -56,9 +56,10 @@ def screw_exp(screw: np.ndarray, theta: float) -> np.ndarray:
     """exp([S] theta) for a unit-rotation screw S = [w, v] (|w| = 1).  # [4, 4]"""
     w, v = screw[:3], screw[3:]
     W = _skew(w)
+    W2 = W @ W
     s, c = np.sin(theta), np.cos(theta)
-    R = np.eye(3) + s * W + (1.0 - c) * (W @ W)  # Rodrigues
-    p = (np.eye(3) * theta + (1.0 - c) * W + (theta - s) * (W @ W)) @ v
+    R = np.eye(3) + s * W + (1.0 - c) * W2  # Rodrigues
+    p = (np.eye(3) * theta + (1.0 - c) * W + (theta - s) * W2) @ v
     T = np.eye(4)
     T[:3, :3], T[:3, 3] = R, p
     return T
