@@ -12,14 +12,10 @@ from vla_accel_ros.core.bundle import Bundle, BundleSpec, count_parameters, load
 from vla_accel_ros.core.errors import BundleError, ConfigError, ParityError
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.prefix import FullRecompute, PrefixPlanner
+from vla_accel_ros.core.robot.config import ALOHA_JOINT_NAMES, ALOHA_START_ARM
 from vla_accel_ros.models.common import skip_init
 
-ALOHA_JOINTS = tuple(
-    f"{side}_{j}"
-    for side in ("left", "right")
-    for j in ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper")
-)
-ALOHA_START = np.array([0.0, -0.96, 1.16, 0.0, -0.3, 0.0, 0.5] * 2, dtype=np.float32)
+ALOHA_START = np.array([*ALOHA_START_ARM, 0.5] * 2, dtype=np.float32)  # grippers half open
 
 # Sizes of the demo bundles. ``tiny`` keeps tests fast; ``small`` (~130M parameters) is for
 # CPU benchmarks. The vision grid is OpenVLA's 16 x 16 (224 px, 14 px patches) in both.
@@ -64,7 +60,7 @@ def demo_spec(
     vocab = sz["vocab"]
     lm = {"model_type": lm_type, **sz["lm"], "vocab_size": vocab, "max_position_embeddings": 4096, "rope_theta": 10000.0}
     vision = {**sz["vision"], "image_size": 224, "patch_size": 14}
-    joints = ALOHA_JOINTS if action_dim == 14 else tuple(f"joint_{i}" for i in range(action_dim))
+    joints = ALOHA_JOINT_NAMES if action_dim == 14 else tuple(f"joint_{i}" for i in range(action_dim))
     start = ALOHA_START if action_dim == 14 else np.zeros(action_dim, dtype=np.float32)
     std = np.full(action_dim, 0.25, dtype=np.float32)
     stats = {"mean": start, "std": std, "q01": start - 2.5 * std, "q99": start + 2.5 * std}

@@ -29,7 +29,6 @@ import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
-from sensor_msgs.msg import JointState
 from std_msgs.msg import Bool, Header
 from std_srvs.srv import SetBool
 
@@ -44,7 +43,7 @@ from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest, MotionState
 from vla_accel_ros.ros import graph, qos
 from vla_accel_ros.ros.backends import make_backend
-from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status
+from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status, subscribe_joint_states
 from vla_accel_ros.ros.conversions import chunk_from_msg, motion_to_msg, request_to_msg, stamp_to_ns
 from vla_accel_ros.ros.params import ConfigParameters
 
@@ -99,8 +98,7 @@ class ActionControllerNode(Node):
         safety = MutuallyExclusiveCallbackGroup()  # e-stop and enable never wait behind chunks
         self.create_subscription(ActionChunkMsg, graph.ACTION_CHUNK, self._on_chunk, qos.RELIABLE, callback_group=inputs)
         self.create_subscription(Header, graph.OBSERVATION_STAMP, self._on_obs_stamp, qos.RELIABLE, callback_group=inputs)
-        for i, topic in enumerate(cfg.robot.joint_state_topics):
-            self.create_subscription(JointState, topic, lambda m, i=i: self._on_joint_state(i, m), qos.SENSOR, callback_group=inputs)
+        subscribe_joint_states(self, cfg.robot.joint_state_topics, self.state, self._lock, inputs)
         self.create_subscription(Bool, graph.ESTOP, self._on_estop, qos.LATCHED, callback_group=safety)
         self.create_service(SetBool, graph.ENABLE, self._on_enable, callback_group=safety)
         self._request_pub = self.create_publisher(ChunkRequest, graph.CHUNK_REQUEST, qos.RELIABLE)
@@ -127,11 +125,6 @@ class ActionControllerNode(Node):
     def _on_obs_stamp(self, msg: Header) -> None:
         with self._lock:
             self._obs_stamp = stamp_to_ns(msg.stamp)  # the latest (not the max: sim time may restart)
-
-    def _on_joint_state(self, index: int, msg: JointState) -> None:
-        stamp = stamp_to_ns(msg.header.stamp) or self.get_clock().now().nanoseconds
-        with self._lock:
-            self.state.update(index, msg.name, msg.position, stamp)
 
     def _on_estop(self, msg: Bool) -> None:
         with self._lock:

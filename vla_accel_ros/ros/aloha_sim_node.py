@@ -57,6 +57,7 @@ from vla_accel_ros.io.bags import BagLayout
 from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest
 from vla_accel_ros.ros import graph, qos
+from vla_accel_ros.ros.backends import interbotix_messages, interbotix_topics
 from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status
 from vla_accel_ros.ros.conversions import header, ns_to_stamp, rgb_to_image, stamp_to_ns
 from vla_accel_ros.ros.params import ConfigParameters
@@ -225,15 +226,12 @@ class AlohaSimNode(Node):
         elif backend == "joint_trajectory":
             sub(JointTrajectory, cfg.command.topic, self._on_trajectory)
         elif backend == "interbotix":
-            try:
-                from interbotix_xs_msgs.msg import JointGroupCommand, JointSingleCommand  # noqa: PLC0415
-            except ImportError as e:
-                raise ConfigError("command.backend=interbotix needs interbotix_xs_msgs, which is not installed here") from e
+            JointGroupCommand, JointSingleCommand = interbotix_messages()
             for arm, ns in zip(cfg.robot.arms, cfg.command.interbotix_namespaces):
-                base = "/" + ns.strip("/")
-                sub(JointGroupCommand, f"{base}/commands/joint_group",
+                group_topic, single_topic = interbotix_topics(ns)
+                sub(JointGroupCommand, group_topic,
                     lambda m, arm=arm: self._command(lambda: self.decoder.from_interbotix_group(arm, m.cmd)))  # fmt: skip
-                sub(JointSingleCommand, f"{base}/commands/joint_single",
+                sub(JointSingleCommand, single_topic,
                     lambda m, arm=arm: self._command(lambda: self.decoder.from_interbotix_single(arm, m.name, m.cmd)))  # fmt: skip
             self._per_tick = 2 * len(cfg.robot.arms)
         else:  # validate() refuses the others; keep the message if a backend is added there

@@ -98,6 +98,26 @@ class JointTrajectoryBackend(Backend):
         return [self.pub.topic_name]
 
 
+def interbotix_messages() -> tuple[type, type]:
+    """(JointGroupCommand, JointSingleCommand) of interbotix_xs_msgs, or a ConfigError saying
+    how to get them."""
+    try:
+        from interbotix_xs_msgs.msg import JointGroupCommand, JointSingleCommand  # noqa: PLC0415
+    except ImportError as e:
+        raise ConfigError(
+            "command.backend=interbotix needs the interbotix_xs_msgs package (ros-<distro>-interbotix-xs-msgs "
+            "or the interbotix_ros_core workspace); it is not installed here. Choose joint_state, "
+            "float64_multi_array or joint_trajectory, or install it"
+        ) from e
+    return JointGroupCommand, JointSingleCommand
+
+
+def interbotix_topics(namespace: str) -> tuple[str, str]:
+    """The interbotix_xs_sdk command topics of one arm: (joint_group, joint_single)."""
+    base = "/" + namespace.strip("/")
+    return f"{base}/commands/joint_group", f"{base}/commands/joint_single"
+
+
 class InterbotixBackend(Backend):
     """ALOHA's own driver (interbotix_xs_sdk): per arm, the six arm joints as one
     JointGroupCommand (name ``command.arm_group``) and the gripper as a JointSingleCommand
@@ -105,27 +125,20 @@ class InterbotixBackend(Backend):
 
     def __init__(self, node: Node, cfg: ControllerConfig) -> None:
         super().__init__(node, cfg)
-        try:
-            from interbotix_xs_msgs.msg import JointGroupCommand, JointSingleCommand  # noqa: PLC0415
-        except ImportError as e:
-            raise ConfigError(
-                "command.backend=interbotix needs the interbotix_xs_msgs package (ros-<distro>-interbotix-xs-msgs "
-                "or the interbotix_ros_core workspace); it is not installed here. Choose joint_state, "
-                "float64_multi_array or joint_trajectory, or install it"
-            ) from e
+        JointGroupCommand, JointSingleCommand = interbotix_messages()
         self._group, self._single = JointGroupCommand, JointSingleCommand
         grippers = set(self.robot.grippers)
         self.arms = []
         for ns, idx in zip(cfg.command.interbotix_namespaces, arm_slices(self.robot)):
             arm_idx = [i for i in idx if self.robot.joint_names[i] not in grippers]
             grip = [i for i in idx if self.robot.joint_names[i] in grippers]
-            base = "/" + ns.strip("/")
+            group_topic, single_topic = interbotix_topics(ns)
             self.arms.append(
                 (
                     arm_idx,
                     grip[0] if grip else None,
-                    node.create_publisher(JointGroupCommand, f"{base}/commands/joint_group", qos.COMMANDS),
-                    node.create_publisher(JointSingleCommand, f"{base}/commands/joint_single", qos.COMMANDS),
+                    node.create_publisher(JointGroupCommand, group_topic, qos.COMMANDS),
+                    node.create_publisher(JointSingleCommand, single_topic, qos.COMMANDS),
                 )
             )
 

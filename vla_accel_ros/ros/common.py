@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections import Counter
-from typing import Callable
+from typing import Callable, Sequence
 
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.callback_groups import CallbackGroup
 from rclpy.node import Node
+from sensor_msgs.msg import JointState
 
-from vla_accel_ros.ros.conversions import header
+from vla_accel_ros.core.robot.state import StateAssembler
+from vla_accel_ros.ros import qos
+from vla_accel_ros.ros.conversions import header, stamp_to_ns
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
@@ -25,6 +30,20 @@ GIL_SWITCH_INTERVAL_S = 0.001
 def prefer_responsive_threads() -> None:
     if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+
+
+def subscribe_joint_states(
+    node: Node, topics: Sequence[str], state: StateAssembler, lock: threading.Lock, group: CallbackGroup
+) -> None:
+    """Feed ``state`` from the robot's JointState topics (message stamp, else receive time)."""
+
+    def on_joint_state(index: int, msg: JointState) -> None:
+        stamp = stamp_to_ns(msg.header.stamp) or node.get_clock().now().nanoseconds
+        with lock:
+            state.update(index, msg.name, msg.position, stamp)
+
+    for i, topic in enumerate(topics):
+        node.create_subscription(JointState, topic, lambda m, i=i: on_joint_state(i, m), qos.SENSOR, callback_group=group)
 
 
 def status(name: str, level: int, message: str, values: dict[str, object], hardware_id: str = "") -> DiagnosticStatus:

@@ -226,7 +226,7 @@ def describe(
         for cam in spec.cameras:
             if cam not in by_name:
                 notes.append(f"camera {cam} (from the bundle) is not in {params_path.name}; using the ALOHA topic layout")
-            new_topics.append(by_name.get(cam, f"/{cam}/camera/color/image_rect_raw"))
+            new_topics.append(by_name[cam] if cam in by_name else _aloha_image_topic(cam))
         cameras, topics = list(spec.cameras), new_topics
         camera.update(cameras=cameras, topics=topics, transports=[tr.get(c, transports[0] if transports else "raw") for c in cameras])
         if tuple(spec.joint_names) != tuple(ctl_file.get("robot.joint_names", spec.joint_names)):
@@ -251,7 +251,7 @@ def describe(
     if synthetic_camera:
         # The synthetic robot reads robot.* from the file's /** section like the other nodes.
         syn: dict[str, Any] = {
-            "camera_topics": topics or [f"/{c}/camera/color/image_rect_raw" for c in cameras],
+            "camera_topics": topics or [_aloha_image_topic(c) for c in cameras],
             "command_topic": str(ctl_file.get("command.topic", "joint_commands")),
         }
         if bundle:
@@ -269,6 +269,13 @@ def describe(
         record_topics=record_topics(topics, ctl_file),
         notes=tuple(notes),
     )
+
+
+def _aloha_image_topic(camera: str) -> str:
+    """The ALOHA topic of a camera, as the simulator and bags name it."""
+    from vla_accel_ros.io.bags import BagLayout  # noqa: PLC0415 - numpy only; rosbags loads on use
+
+    return BagLayout().image_topic(camera)
 
 
 def record_topics(camera_topics: list[str], controller: Mapping[str, Any]) -> tuple[str, ...]:

@@ -27,7 +27,6 @@ import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
-from sensor_msgs.msg import JointState
 from std_msgs.msg import Bool, Header, String
 from std_srvs.srv import Trigger
 
@@ -43,7 +42,7 @@ from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest, InferenceStats, MotionState
 from vla_accel_ros.msg import Observation as ObservationMsg
 from vla_accel_ros.ros import graph, qos
-from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status
+from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status, subscribe_joint_states
 from vla_accel_ros.ros.conversions import (
     chunk_to_msg,
     guidance_from_msg,
@@ -113,8 +112,7 @@ class PolicyNode(Node):
         control = MutuallyExclusiveCallbackGroup()
         if cfg.observation_transport == "topic":
             self.create_subscription(ObservationMsg, graph.OBSERVATION, self._on_observation, qos.LATEST, callback_group=inputs)
-        for i, topic in enumerate(cfg.robot.joint_state_topics):
-            self.create_subscription(JointState, topic, lambda m, i=i: self._on_joint_state(i, m), qos.SENSOR, callback_group=inputs)
+        subscribe_joint_states(self, cfg.robot.joint_state_topics, self.state, self._lock, inputs)
         self.create_subscription(String, graph.INSTRUCTION, self._on_instruction, qos.LATCHED, callback_group=control)
         self.create_subscription(ChunkRequest, graph.CHUNK_REQUEST, self._on_request, qos.RELIABLE, callback_group=control)
         self.create_subscription(MotionState, graph.MOTION_STATE, self._on_motion, qos.RELIABLE, callback_group=control)
@@ -141,11 +139,6 @@ class PolicyNode(Node):
     def _announce(self, stamp_ns: int, _obs: object) -> None:
         """Tell the controller which observation it may ask for (after it is stored here)."""
         self._stamp_pub.publish(header(stamp_ns))
-
-    def _on_joint_state(self, index: int, msg: JointState) -> None:
-        stamp = stamp_to_ns(msg.header.stamp) or self.get_clock().now().nanoseconds
-        with self._lock:
-            self.state.update(index, msg.name, msg.position, stamp)
 
     def _on_instruction(self, msg: String) -> None:
         with self._lock:

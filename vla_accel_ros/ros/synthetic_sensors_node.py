@@ -19,14 +19,12 @@ from rclpy.node import Node
 from sensor_msgs.msg import Image, JointState
 
 from vla_accel_ros.core.config import Config, param
-from vla_accel_ros.core.robot.config import RobotConfig
-from vla_accel_ros.core.robot.state import GripperMap
+from vla_accel_ros.core.robot.config import ALOHA_START_ARM, ARM_JOINTS, RobotConfig
+from vla_accel_ros.core.robot.state import GripperMap, state_to_joint_states
 from vla_accel_ros.ros import qos
 from vla_accel_ros.ros.common import spin_node
 from vla_accel_ros.ros.conversions import header, rgb_to_image
 from vla_accel_ros.ros.params import ConfigParameters
-
-START_ARM = (0.0, -0.96, 1.16, 0.0, -0.3, 0.0)  # ALOHA's start pose per arm
 
 
 @dataclass(frozen=True)
@@ -57,12 +55,13 @@ class SyntheticSensorsNode(Node):
         # The arm's position in robot units (gripper joints in rad when commands are in rad).
         self._q = np.zeros(robot.dim)
         for i, name in enumerate(robot.joint_names):
-            for j, v in zip(("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate"), START_ARM):
+            for j, v in zip(ARM_JOINTS, ALOHA_START_ARM):
                 if name.endswith(j):
                     self._q[i] = v
             if name in robot.grippers:
                 self._q[i] = self.gripper.normalized_to_joint(0.5) if robot.gripper.command_units == "joint" else 0.5
         self._index = {n: i for i, n in enumerate(robot.joint_names)}
+        self._grippers = [self._index[n] for n in robot.grippers]
         self._js_pubs = [self.create_publisher(JointState, t, qos.RELIABLE) for t in robot.joint_state_topics]
         self.create_subscription(JointState, cfg.command_topic, self._on_command, qos.COMMANDS)
         self.frames_published = 0
@@ -84,31 +83,14 @@ class SyntheticSensorsNode(Node):
 
     def _publish_joints(self) -> None:
         robot = self.params.config.robot
-        g = robot.gripper
         now = self.get_clock().now().nanoseconds
         with self._lock:
-            q = self._q.copy()
-        for prefix, pub in zip(robot.joint_state_prefixes, self._js_pubs):
-            names: list[str] = []
-            positions: list[float] = []
-            for name, i in self._index.items():
-                if not name.startswith(prefix):
-                    continue
-                local = name[len(prefix) :]  # what this topic calls the joint
-                if name not in robot.grippers:
-                    names.append(local)
-                    positions.append(float(q[i]))
-                    continue
-                norm = self.gripper.joint_to_normalized(q[i]) if g.command_units == "joint" else float(q[i])
-                if g.state_source == "finger":  # ALOHA: gripper joint angle + finger position
-                    base = local[: len(local) - len(g.gripper_joint)] if local.endswith(g.gripper_joint) else ""
-                    names += [local, f"{base}{g.finger_joint}"]
-                    positions += [self.gripper.normalized_to_joint(norm), g.finger_close + norm * (g.finger_open - g.finger_close)]
-                else:
-                    names.append(local)
-                    positions.append(self.gripper.normalized_to_joint(norm) if g.state_source == "joint" else norm)
-            msg = JointState(header=header(now), name=names, position=positions)
-            pub.publish(msg)
+            state = self._q.copy()
+        if robot.gripper.command_units == "joint":  # the arm holds gripper angles; a state is normalized
+            for i in self._grippers:
+                state[i] = self.gripper.joint_to_normalized(state[i])
+        for (names, positions, _), pub in zip(state_to_joint_states(robot, state), self._js_pubs):
+            pub.publish(JointState(header=header(now), name=names, position=positions))
 
     def reset_stats(self) -> None:
         self.frames_published = 0

@@ -19,6 +19,7 @@ ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wris
 ALOHA_ARMS = ("left", "right")
 ALOHA_JOINT_NAMES = tuple(f"{a}_{j}" for a in ALOHA_ARMS for j in (*ARM_JOINTS, "gripper"))
 ALOHA_CAMERAS = ("cam_high", "cam_low", "cam_left_wrist", "cam_right_wrist")
+ALOHA_START_ARM = (0.0, -0.96, 1.16, 0.0, -0.3, 0.0)  # one arm's start pose, ARM_JOINTS order (rad)
 
 BACKENDS = ("joint_state", "float64_multi_array", "joint_trajectory", "interbotix", "ee_pose", "ee_twist")
 
