@@ -23,7 +23,7 @@ from vla_accel_ros.core.engine import DecoderStack, Engine, StepPlan
 from vla_accel_ros.core.errors import ObservationError
 from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.policy_config import PolicyConfig
-from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlan, PrefixPlanner
+from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
 from vla_accel_ros.models.ar import plan_stats
 from vla_accel_ros.models.base import PolicyBase, StageTimer, VisionPrefix
