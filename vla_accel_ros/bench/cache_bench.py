@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from vla_accel_ros.bench.stats import action_deviation, action_std, percentile
 from vla_accel_ros.core.cache import CacheConfig
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.policy_config import PolicyConfig
@@ -36,10 +37,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 STAGES = ("preprocess", "select", "vision", "prefill", "decode", "denoise", "postprocess", "total")
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if xs else float("nan")
 
 
 @dataclass
@@ -131,28 +128,25 @@ def _kv_error(policy, full, obs) -> dict[str, float]:
 
 
 def _deviation(c: Contender, ref: Contender, spec, std: np.ndarray) -> dict[str, float]:
-    deltas = [np.abs(a - b) for a, b in zip(c.actions, ref.actions)]  # [H, D] each, robot units
-    per_frame_std = [float((d / std).max()) for d in deltas]
+    dev = action_deviation(c.actions, ref.actions, std, *((c.tokens, ref.tokens) if spec.family == "ar" else ()))
     out = {
-        "max_abs_delta": float(max(d.max() for d in deltas)),
-        "max_delta_over_std": float(max(per_frame_std)),
-        "p50_frame_max_delta_over_std": float(statistics.median(per_frame_std)),
+        "max_abs_delta": max(dev.max_abs),
+        "max_delta_over_std": max(dev.max_over_std),
+        "p50_frame_max_delta_over_std": float(statistics.median(dev.max_over_std)),
         "kv_rel_err_image_max": max(e["image"] for e in c.kv_err),
         "kv_rel_err_image_p50": float(statistics.median(e["image"] for e in c.kv_err)),
         "kv_rel_err_text_max": max(e["text"] for e in c.kv_err),
         "kv_rel_err_text_p50": float(statistics.median(e["text"] for e in c.kv_err)),
     }
     if spec.family == "ar":
-        same = sum(sum(x == y for x, y in zip(a, b)) for a, b in zip(c.tokens, ref.tokens))
-        total = sum(len(a) for a in c.tokens)
-        out["identical_token_share"] = same / max(1, total)
-        out["identical_chunk_share"] = float(np.mean([a == b for a, b in zip(c.tokens, ref.tokens)]))
+        out["identical_token_share"] = float(np.mean(dev.token_share)) if dev.token_share else 0.0
+        out["identical_chunk_share"] = dev.identical_chunks if dev.identical_chunks is not None else 0.0
     return out
 
 
 def summarize(contenders: list[Contender], spec, meta: dict[str, Any]) -> dict[str, Any]:
     ref = contenders[0]
-    std = np.maximum(np.asarray(spec.norm_stats["action"]["std"], dtype=np.float32), 1e-6)
+    std = action_std(spec)
     base_total = ref.stage("total")
     rows = []
     for c in contenders:
@@ -160,9 +154,9 @@ def summarize(contenders: list[Contender], spec, meta: dict[str, Any]) -> dict[s
         row: dict[str, Any] = {
             "name": c.name,
             "cache": c.cache,
-            "total_ms": {"p50": _pct(total, 50), "p95": _pct(total, 95), "mean": float(np.mean(total))},
-            "stages_p50_ms": {s: _pct(c.stage(s), 50) for s in STAGES if any(s in t for t in c.timings)},
-            "speedup_p50": _pct(base_total, 50) / _pct(total, 50),
+            "total_ms": {"p50": percentile(total, 50), "p95": percentile(total, 95), "mean": float(np.mean(total))},
+            "stages_p50_ms": {s: percentile(c.stage(s), 50) for s in STAGES if any(s in t for t in c.timings)},
+            "speedup_p50": percentile(base_total, 50) / percentile(total, 50),
             # Per frame, full / cached on the same observation, then the median: robust to a
             # neighbour stealing the CPU for a few frames.
             "speedup_paired_median": float(np.median(np.asarray(base_total) / np.asarray(total))),
@@ -171,7 +165,7 @@ def summarize(contenders: list[Contender], spec, meta: dict[str, Any]) -> dict[s
             st = c.stats
             row["reuse_fraction_mean"] = float(np.mean([s["reuse_fraction"] for s in st]))
             row["reuse_fraction_min"] = float(np.min([s["reuse_fraction"] for s in st]))
-            row["select_ms"] = {"p50": _pct(c.stage("select"), 50), "p95": _pct(c.stage("select"), 95)}
+            row["select_ms"] = {"p50": percentile(c.stage("select"), 50), "p95": percentile(c.stage("select"), 95)}
             row["resets"] = sum(bool(s["reset_reason"]) for s in st)
             for key in ("static_tokens", "evicted_tokens", "capped_tokens", "max_age_recomputed", "reused_tokens"):
                 row[f"{key}_mean"] = float(np.mean([s[key] for s in st]))
@@ -216,6 +210,7 @@ def format_report(result: dict[str, Any]) -> str:
     for s in stages:
         lines.append(f"  {s:<15} " + "".join(f"{r['stages_p50_ms'].get(s, 0.0):12.1f}" for r in rows))
     lines.append("")
+    defaults = CacheConfig().to_dict()
     for r in rows[1:]:
         lines.append(
             f"{r['name']}: static {r['static_tokens_mean']:.0f}, evicted {r['evicted_tokens_mean']:.0f}, capped "
@@ -230,6 +225,6 @@ def format_report(result: dict[str, Any]) -> str:
         )
         lines.append(f"  image tokens computed per layer (mean): {r['image_recomputed_per_layer_mean']}")
         lines.append(f"  alpha per layer (mean): {r['alpha_per_layer_mean']}")
-        changed = {k: v for k, v in r["cache"].items() if CacheConfig().to_dict().get(k) != v}
+        changed = {k: v for k, v in r["cache"].items() if defaults.get(k) != v}
         lines.append(f"  cache config (non-default): {changed or 'defaults'}")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ import numpy as np
 
 from vla_accel_ros.bench.cache_bench import PRESETS, STAGES
 from vla_accel_ros.bench.flops import FORMULA, FrameWork, estimate_flops, work_from_stats
+from vla_accel_ros.bench.stats import action_deviation, action_std, distribution, percentile
 from vla_accel_ros.core.errors import BagError, ConfigError
 
 SCHEMA = "vla_accel_ros.replay/1"
@@ -252,9 +253,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
                 if "action_tokens" in out.stats:
                     r.tokens.append(list(out.stats["action_tokens"]))
                 layout, _ = r.policy.layout_for(obs.instruction)
-                work = work_from_stats(spec, out.stats, layout.length, r.mode.reference)
-                r.flops.append(estimate_flops(spec, work, flow_steps=flow_steps))
-                r.work.append(work)
+                r.work.append(work_from_stats(spec, out.stats, layout.length, r.mode.reference))
             if timed:
                 frame_episodes.append(obs.episode)
                 frame_stamps.append(obs.stamp_ns)
@@ -265,6 +264,8 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
             if cfg.max_frames and len(frame_episodes) >= cfg.max_frames:
                 break
         skipped = dict(bag.skipped)
+    for r in runs:  # bookkeeping after the loop, not between two timed inferences
+        r.flops = [estimate_flops(spec, w, flow_steps=flow_steps) for w in r.work]
     if not frame_episodes:
         raise BagError(
             f"bag {bag_path} yielded {processed} observation(s) for cameras {', '.join(spec.cameras)}, none after "
@@ -290,35 +291,24 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
 # ------------------------------------------------------------------------------ summaries
 
 
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q))
-
-
-def _dist(xs: list[float]) -> dict[str, float]:
-    return {"p50": _pct(xs, 50), "p95": _pct(xs, 95), "p99": _pct(xs, 99), "mean": float(np.mean(xs)),
-            "min": float(np.min(xs)), "max": float(np.max(xs))}  # fmt: skip
-
-
 def deviation(run: ModeRun, ref: ModeRun, std: np.ndarray, family: str) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """Deviation from the baseline on the same frames: summary and per-frame series.
 
     ar: share of identical action tokens and max |delta| in action units; flow (same noise
     in every mode): max |delta| / action std."""
-    deltas = [np.abs(a - b) for a, b in zip(run.actions, ref.actions)]  # [H, D] each, robot units
-    max_abs = [float(d.max()) for d in deltas]
-    over_std = [float((d / std).max()) for d in deltas]
+    use_tokens = family == "ar" and run.tokens and ref.tokens
+    dev = action_deviation(run.actions, ref.actions, std, *((run.tokens, ref.tokens) if use_tokens else ()))
     summary: dict[str, Any] = {
-        "max_abs": max(max_abs),
-        "mean_abs": float(np.mean([d.mean() for d in deltas])),
-        "max_over_std": max(over_std),
-        "p50_frame_max_over_std": float(np.median(over_std)),
+        "max_abs": max(dev.max_abs),
+        "mean_abs": float(np.mean(dev.mean_abs)),
+        "max_over_std": max(dev.max_over_std),
+        "p50_frame_max_over_std": float(np.median(dev.max_over_std)),
     }
-    series = {"max_abs": max_abs, "max_over_std": over_std}
-    if family == "ar" and run.tokens and ref.tokens:
-        same = [float(np.mean([x == y for x, y in zip(a, b)])) for a, b in zip(run.tokens, ref.tokens)]
-        summary["identical_token_share"] = float(np.mean(same))
-        summary["identical_chunk_share"] = float(np.mean([a == b for a, b in zip(run.tokens, ref.tokens)]))
-        series["identical_token_share"] = same
+    series = {"max_abs": dev.max_abs, "max_over_std": dev.max_over_std}
+    if dev.token_share is not None:
+        summary["identical_token_share"] = float(np.mean(dev.token_share))
+        summary["identical_chunk_share"] = dev.identical_chunks
+        series["identical_token_share"] = dev.token_share
     return summary, series
 
 
@@ -331,7 +321,7 @@ def _scalar_stats_mean(stats: list[dict[str, Any]]) -> dict[str, float]:
 
 def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
     ref = next(r for r in runs if r.name == BASELINE)
-    std = np.maximum(np.asarray(spec.norm_stats["action"]["std"], dtype=np.float32), 1e-6)
+    std = action_std(spec)
     base = np.asarray(ref.latency)
     out: dict[str, Any] = {}
     for r in runs:
@@ -344,8 +334,8 @@ def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
             "doc": r.mode.doc,
             "reference_path": r.mode.reference,
             "policy_config": r.config,
-            "latency_ms": _dist(r.latency),
-            "stages_ms": {s: {"p50": _pct([t.get(s, 0.0) for t in r.stages], 50),
+            "latency_ms": distribution(r.latency),
+            "stages_ms": {s: {"p50": percentile([t.get(s, 0.0) for t in r.stages], 50),
                               "mean": float(np.mean([t.get(s, 0.0) for t in r.stages]))} for s in stages},  # fmt: skip
             # Ratio of medians, and the median of per-frame ratios (robust to a neighbour
             # stealing the CPU for a few frames): both from the same frames side by side.
@@ -362,7 +352,7 @@ def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
             "flops": {
                 "estimate": True,
                 "gflops_per_frame": {"mean": float(np.mean([f["total"] for f in r.flops])) / 1e9,
-                                     "p50": _pct([f["total"] for f in r.flops], 50) / 1e9},  # fmt: skip
+                                     "p50": percentile([f["total"] for f in r.flops], 50) / 1e9},  # fmt: skip
                 "by_component_gflops_mean": {c: float(np.mean([f.get(c, 0.0) for f in r.flops])) / 1e9 for c in components},
             },
             "per_frame": {

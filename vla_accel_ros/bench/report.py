@@ -203,7 +203,11 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
         for c in cuts:
             ax.axvline(c - 0.5, color="grey", linestyle=":", linewidth=1)
 
-    written = []
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for n in names:
         lat = np.sort(np.asarray(modes[n]["per_frame"]["latency_ms"]))
@@ -213,10 +217,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     ax.set_title(f"Latency CDF, {result['bundle']['name']}")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[0], dpi=100)
-    plt.close(fig)
-    written.append(PLOTS[0])
+    save(fig, PLOTS[0])
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for n in names:
@@ -228,10 +229,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     ax.set_title("Reuse per frame")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[1], dpi=100)
-    plt.close(fig)
-    written.append(PLOTS[1])
+    save(fig, PLOTS[1])
 
     ar = result["bundle"]["family"] == "ar"
     others = [n for n in names if n != "baseline"]
@@ -254,11 +252,8 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     axes[-1][0].set_xlabel("timed frame (dotted: episode boundary)")
     if others:
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[2], dpi=100)
-    plt.close(fig)
-    written.append(PLOTS[2])
-    return written
+    save(fig, PLOTS[2])
+    return list(PLOTS)
 
 
 def write_report(result: dict[str, Any], out_dir: str | Path, *, plots: bool = True) -> dict[str, Path]:
