@@ -32,6 +32,7 @@ from vla_accel_ros.core.robot.images import encode_raw  # noqa: E402
 from vla_accel_ros.msg import ActionChunk, ChunkRequest, InferenceStats, MotionState  # noqa: E402
 from vla_accel_ros.ros import bringup, qos  # noqa: E402
 from vla_accel_ros.ros.graph import CAMERA, CONTROLLER, POLICY, describe  # noqa: E402
+import helpers  # noqa: E402  (test/helpers.py)
 
 pytestmark = pytest.mark.ros
 
@@ -43,12 +44,7 @@ TIMEOUT = 120.0  # generous: the machine is shared; conditions usually hold with
 
 
 def wait_for(cond, timeout: float = TIMEOUT, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    helpers.wait_for(cond, timeout, what)
 
 
 class Probe(Node):

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ from vla_accel_ros.core.robot.recording import ReorderBuffer, header_stamp_ns
 from vla_accel_ros.core.robot.state import StateAssembler, to_robot_units
 from vla_accel_ros.sim.live import DT_NS, LatencyTracker, Pacer, render_every
 from vla_accel_ros.sim.robot_io import CommandDecoder, CommandError, joint_state_messages
+import helpers  # test/helpers.py
 
 ROBOT = RobotConfig()
 START = np.array([0.0, -0.96, 1.16, 0.0, -0.3, 0.0, 0.1] * 2)
@@ -37,12 +37,7 @@ TIMEOUT = 60.0
 
 
 def wait_for(cond, timeout: float = TIMEOUT, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    helpers.wait_for(cond, timeout, what)
 
 
 # -- ROS-free: the robot's topics <-> the simulator's layout -------------------------------------
