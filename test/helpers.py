@@ -13,3 +13,13 @@ def wait_for(cond, timeout: float, what: str = "condition") -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def record_sim_bag(out, episodes: int, steps: int):
+    """Scripted transfer_cube episodes through `vla-accel sim record`, top camera at 240x320."""
+    from vla_accel_ros.cli import main
+
+    argv = ["sim", "record", "--task", "transfer_cube", "--episodes", str(episodes), "--steps", str(steps),
+            "--cameras", "top", "--height", "240", "--width", "320", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    return out

@@ -19,6 +19,7 @@ from vla_accel_ros.bench import replay as rp  # noqa: E402
 from vla_accel_ros.bench.flops import FrameWork, decoder_layer_flops, estimate_flops  # noqa: E402
 from vla_accel_ros.bench.report import PLOTS  # noqa: E402
 from vla_accel_ros.cli import main  # noqa: E402
+from helpers import record_sim_bag  # noqa: E402
 from vla_accel_ros.core.errors import BagError, BundleError, ConfigError  # noqa: E402
 
 EPISODES, STEPS, WARMUP = 2, 4, 2
@@ -29,11 +30,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def sim_bag(tmp_path_factory) -> Path:
     """Two scripted transfer_cube episodes of a few ticks, top camera rendered at 240x320."""
-    out = tmp_path_factory.mktemp("replay") / "cube_bag"
-    argv = ["sim", "record", "--task", "transfer_cube", "--episodes", str(EPISODES), "--steps", str(STEPS),
-            "--cameras", "top", "--height", "240", "--width", "320", "--out", str(out)]  # fmt: skip
-    assert main(argv) == 0
-    return out
+    return record_sim_bag(tmp_path_factory.mktemp("replay") / "cube_bag", EPISODES, STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -256,11 +256,14 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     return list(PLOTS)
 
 
-def write_report(result: dict[str, Any], out_dir: str | Path, *, plots: bool = True) -> dict[str, Path]:
-    """Write report.json, report.md and (with ``plots``) the PNGs into ``out_dir``."""
+def write_report(
+    result: dict[str, Any], out_dir: str | Path, *, plots: bool = True, to_markdown=None, plotter=None
+) -> dict[str, Path]:
+    """Write report.json, report.md and (with ``plots``) the PNGs into ``out_dir``; another
+    benchmark passes its own ``to_markdown(result, plot_names)`` and ``plotter(result, out)``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    names = write_plots(result, out) if plots else []
+    names = (plotter or write_plots)(result, out) if plots else []
     (out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "report.md").write_text(markdown(result, names))
+    (out / "report.md").write_text((to_markdown or markdown)(result, names))
     return {"json": out / "report.json", "markdown": out / "report.md", **{n: out / n for n in names}}

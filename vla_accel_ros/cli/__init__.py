@@ -20,6 +20,8 @@ COMMANDS = (
     "vla_accel_ros.cli.bringup_cmd",
     "vla_accel_ros.cli.replay_cmd",
     "vla_accel_ros.cli.record_cmd",
+    "vla_accel_ros.cli.train_cmd",
+    "vla_accel_ros.cli.eval_cmd",
 )
 
 

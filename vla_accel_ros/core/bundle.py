@@ -64,6 +64,8 @@ class BundleSpec(Config):
             raise ConfigError("vision.image_size / vision.patch_size must equal image_size / patch_size")
         if "action" not in self.norm_stats:
             raise ConfigError("norm_stats.action is required")
+        if self.state_dim and "state" not in self.norm_stats:
+            raise ConfigError("norm_stats.state is required when state_dim > 0")
         if self.family == "ar":
             vocab = int(self.lm.get("vocab_size", 0))
             if 3 + self.text_vocab > vocab - self.action_bins:
@@ -74,8 +76,6 @@ class BundleSpec(Config):
         else:
             if not isinstance(self.expert, dict):
                 raise ConfigError("flow bundles need an 'expert' decoder config")
-            if self.state_dim and "state" not in self.norm_stats:
-                raise ConfigError("norm_stats.state is required when state_dim > 0")
             for key in ("num_hidden_layers", "num_key_value_heads"):
                 if self.expert.get(key) != self.lm.get(key):
                     raise ConfigError(f"expert.{key} must equal lm.{key} (the expert attends to the VLM's K/V)")

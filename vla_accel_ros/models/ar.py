@@ -1,9 +1,11 @@
 """``ar``: an OpenVLA-style autoregressive policy.
 
-Prefix: ``[BOS] [image tokens, grid x grid per camera] [prompt tokens]``, causal. The action
-is decoded greedily, one token per action dimension, from the last ``action_bins`` vocabulary
-ids; a token maps to the center of its bin in [-1, 1] and is unnormalized with the bundle's
-q01/q99 bounds.
+Prefix: ``[BOS] [image tokens, grid x grid per camera] [prompt tokens] [state]``, causal; the
+state token (a linear projection of the normalized joint state, as OpenVLA-OFT adds
+proprioception) exists only when the bundle's ``state_dim`` > 0. The actions are decoded
+greedily, one token per action dimension and chunk step (``chunk_size`` x ``action_dim``
+tokens, step-major), from the last ``action_bins`` vocabulary ids; a token maps to the center
+of its bin in [-1, 1] and is unnormalized with the bundle's q01/q99 bounds.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class ArVLA(nn.Module):
         super().__init__()
         self.lm = build_decoder(spec.lm, "lm", causal_lm=True)
         self.vis = VisionPrefix(spec, self.lm.config.hidden_size)
+        self.state_proj = nn.Linear(spec.state_dim, self.lm.config.hidden_size) if spec.state_dim else None
         self.action_bins = spec.action_bins
 
     @property
@@ -36,7 +39,7 @@ class ArVLA(nn.Module):
         return self.lm.model
 
     def embed_ids(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
-        ids = torch.as_tensor(ids, dtype=torch.long)
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.lm.model.embed_tokens.weight.device)
         return self.lm.model.embed_tokens(ids)  # [T, H]
 
     def action_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -57,7 +60,8 @@ class ArPolicy(PolicyBase):
         self.num_action_tokens = spec.action_dim * spec.chunk_size
         self.stack = DecoderStack(model.decoder)
         g = spec.grid
-        self.max_slots = 1 + len(spec.cameras) * g * g + spec.max_text_tokens + self.num_action_tokens
+        n_state = 1 if spec.state_dim else 0
+        self.max_slots = 1 + len(spec.cameras) * g * g + spec.max_text_tokens + n_state + self.num_action_tokens
         self.cache = self.stack.make_cache(self.max_slots)
         self.cache.set_layout([Segment(0, (Block(self.max_slots, "causal"),))])
         self.engine = Engine(self.stack, self.cache, max_positions=self.max_slots)
@@ -69,17 +73,18 @@ class ArPolicy(PolicyBase):
     def _make_layout(self, text_len: int) -> PrefixLayout:
         s = self.spec
         n_img = len(s.cameras) * s.grid * s.grid
+        state_slot = 1 + n_img + text_len if s.state_dim else None
         return PrefixLayout(
             cameras=s.cameras, grid=s.grid, patch_size=s.patch_size, image_size=s.image_size,
-            image_start=1, text_start=1 + n_img, text_len=text_len, state_slot=None,
-            length=1 + n_img + text_len, fixed_slots=(0,), attention="causal",
+            image_start=1, text_start=1 + n_img, text_len=text_len, state_slot=state_slot,
+            length=1 + n_img + text_len + (1 if s.state_dim else 0), fixed_slots=(0,), attention="causal",
             num_layers=self.stack.num_layers,
         )  # fmt: skip
 
     def _static_prefix(self, layout: PrefixLayout, ids: list[int]) -> torch.Tensor:
-        static = torch.zeros(layout.length, self.model.lm.config.hidden_size)
+        static = torch.zeros(layout.length, self.model.lm.config.hidden_size, device=self.model.lm.lm_head.weight.device)
         static[0] = self.model.embed_ids([HashWordTokenizer.BOS])[0]
-        static[layout.text_start :] = self.model.embed_ids(ids)
+        static[layout.text_start : layout.text_start + layout.text_len] = self.model.embed_ids(ids)
         return static
 
     def _decode_actions(self, token_ids: list[int]) -> np.ndarray:
@@ -127,6 +132,42 @@ class ArPolicy(PolicyBase):
             actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, chunk_id=self.next_chunk_id(),
             joint_names=self.spec.joint_names, timings_ms=timer.finish(), stats=stats,
         )  # fmt: skip
+
+    # -- training ---------------------------------------------------------------------------------
+    def action_bins_of(self, actions: torch.Tensor) -> torch.Tensor:
+        """Robot-unit actions [..., D] -> bin indices [..., D] (the inverse of the decoding)."""
+        st = self.action_norm.stats
+        lo = torch.as_tensor(st["q01"], device=actions.device)
+        hi = torch.as_tensor(st["q99"], device=actions.device)
+        x = (2.0 * (actions - lo) / (hi - lo).clamp_min(1e-6) - 1.0).clamp(-1.0, 1.0)
+        bins = self.spec.action_bins
+        return ((x + 1.0) * 0.5 * bins).floor().long().clamp(0, bins - 1)
+
+    def training_loss(
+        self,
+        pixels: torch.Tensor,
+        states: torch.Tensor | None,
+        instruction: str,
+        actions: torch.Tensor,
+        valid: torch.Tensor,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Cross-entropy on the action tokens with teacher forcing (the prefix, then the chunk's
+        tokens step-major), over the action ids only, as :meth:`infer` takes its argmax.
+        actions: [B, H, D] robot units; valid: [B, H]. ``generator`` is unused (no noise)."""
+        layout, prefix = self.batch_prefix(pixels, states, instruction)  # [B, P, W]
+        b, p = prefix.shape[:2]
+        bins = self.spec.action_bins
+        target = (bins - 1 - self.action_bins_of(actions)).reshape(b, -1)  # [B, n] rows of the head
+        ids = target + self._first_action_id
+        emb = self.model.lm.model.embed_tokens(ids[:, :-1]).to(prefix.dtype)
+        hidden = self.model.lm.model(inputs_embeds=torch.cat([prefix, emb], dim=1)).last_hidden_state
+        logits = self.model.action_logits(hidden[:, p - 1 :]).float()  # [B, n, bins]
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")  # [B, n]
+        w = valid.repeat_interleave(self.spec.action_dim, dim=1).to(ce.dtype)
+        loss = (ce * w).sum() / w.sum().clamp_min(1.0)
+        acc = float(((logits.argmax(-1) == target).float() * w).sum() / w.sum().clamp_min(1.0))
+        return loss, {"loss": float(loss.detach()), "token_acc": acc}
 
     @property
     def _first_action_id(self) -> int:

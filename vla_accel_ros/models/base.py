@@ -11,12 +11,22 @@ import torch
 from torch import nn
 
 from vla_accel_ros.core.bundle import BundleSpec
+import numpy as np
+
 from vla_accel_ros.core.errors import ObservationError
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.engine import Engine, StepPlan
 from vla_accel_ros.core.prefix import FullRecompute, PrefixContext, PrefixLayout, PrefixPlan, PrefixPlanner
 from vla_accel_ros.core.types import Observation
-from vla_accel_ros.models.common import Frames, HashWordTokenizer, Projector, build_vision, format_instruction, preprocess_frames
+from vla_accel_ros.models.common import (
+    Frames,
+    HashWordTokenizer,
+    Normalizer,
+    Projector,
+    build_vision,
+    format_instruction,
+    preprocess_frames,
+)
 
 
 class StageTimer:
@@ -71,6 +81,9 @@ class PolicyBase:
         self._chunk_id = 0
         # Names this policy's KV cache in every PrefixContext (a counter, never reused like id()).
         self.source = f"{spec.name}#{next(_INSTANCES)}"
+        self.state_norm = (
+            Normalizer(spec.norm_stats["state"], spec.state_dim, "norm_stats.state") if spec.state_dim else None
+        )
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
 
@@ -85,7 +98,21 @@ class PolicyBase:
         raise NotImplementedError
 
     def _dynamic_rows(self, full: torch.Tensor, obs: Observation, layout: PrefixLayout) -> None:
-        """Fill per-observation rows other than images (e.g. the state token)."""
+        """Fill per-observation rows other than images: the state token, when the bundle has one."""
+        if layout.state_slot is not None:
+            full[layout.state_slot] = self._state_embedding(obs.state)
+
+    def _state_embedding(self, state: np.ndarray | None) -> torch.Tensor:
+        s = self.spec
+        if state is None:
+            raise ObservationError(f"this {self.family} bundle needs a {s.state_dim}-D state in the observation")
+        state = np.asarray(state, dtype=np.float32).reshape(-1)
+        if state.shape != (s.state_dim,):
+            raise ObservationError(f"observation state has {state.shape[0]} values, the bundle expects {s.state_dim}")
+        if not np.isfinite(state).all():
+            raise ObservationError("observation state has non-finite values")
+        z = torch.from_numpy(self.state_norm.normalize_meanstd(state).astype(np.float32))
+        return self.model.state_proj(z)
 
     def _prepare(self, layout: PrefixLayout) -> None:
         """Make the cache ready for a prefix of this layout."""
@@ -156,6 +183,25 @@ class PolicyBase:
         self.planner.reset("external prefix write")
         step = StepPlan(slots=rows, positions=rows, layer_slots=plan.layer_slots, drop=plan.drop, output_slots=plan.layer_slots[-1])
         return self.prefix_engine.forward(full[rows][None], step).hidden[0]
+
+    def batch_prefix(self, pixels: torch.Tensor, states: torch.Tensor | None, instruction: str) -> tuple[PrefixLayout, torch.Tensor]:
+        """Differentiable prefix embeddings of a batch (training), with the rows and layout
+        :meth:`infer` uses.  pixels: [B, C, 3, S, S] normalized; states: [B, state_dim] in robot
+        units (None without state) -> [B, P, H]"""
+        layout, ids = self.layout_for(instruction)
+        b, c = pixels.shape[:2]
+        static = self._static_prefix(layout, ids).to(pixels.device)  # [P, H]
+        full = static[None].expand(b, *static.shape).clone()
+        img = self.model.vis(pixels.flatten(0, 1))  # [B*C, T, H]
+        full[:, layout.image_slots()] = img.reshape(b, c * img.shape[1], img.shape[2]).to(full.dtype)
+        if layout.state_slot is not None:
+            if states is None:
+                raise ObservationError(f"this {self.family} bundle needs states to train on")
+            st = self.state_norm.stats
+            mean = torch.as_tensor(st["mean"], device=states.device)
+            std = torch.as_tensor(np.maximum(st["std"], 1e-6), device=states.device)
+            full[:, layout.state_slot] = self.model.state_proj((states - mean) / std).to(full.dtype)
+        return layout, full
 
     def frames(self, obs: Observation) -> Frames:
         return preprocess_frames(obs.images, self.spec.cameras, self.spec.image_size)

@@ -17,13 +17,21 @@ from vla_accel_ros.models.common import skip_init
 
 ALOHA_START = np.array([*ALOHA_START_ARM, 0.5] * 2, dtype=np.float32)  # grippers half open
 
-# Sizes of the demo bundles. ``tiny`` keeps tests fast; ``small`` (~130M parameters) is for
-# CPU benchmarks. The vision grid is OpenVLA's 16 x 16 (224 px, 14 px patches) in both.
+# Model sizes. ``tiny`` keeps tests fast; ``mini`` (~7M parameters) is what ``vla-accel train``
+# trains on a CPU in about an hour (the shipped models/ bundles); ``small`` (~130M parameters)
+# is for CPU benchmarks. The vision grid is OpenVLA's 16 x 16 (224 px, 14 px patches) in all.
+SIZES = ("tiny", "mini", "small")
 _SIZES = {
     "tiny": {
         "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
         "lm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
         "expert": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, head_dim=16),
+        "vocab": 1024,
+    },
+    "mini": {
+        "vision": dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3),
+        "lm": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+        "expert": dict(hidden_size=128, intermediate_size=512, num_attention_heads=4, head_dim=64),
         "vocab": 1024,
     },
     "small": {
@@ -53,41 +61,53 @@ def demo_spec(
     action_dim: int = 14,
     chunk_size: int | None = None,
     lm_type: str = "llama",
+    state_dim: int | None = None,
+    norm_stats: dict | None = None,
+    name: str | None = None,
+    default_instruction: str | None = None,
 ) -> BundleSpec:
+    """The spec of a ``size`` model of ``family``. Defaults: ALOHA joints, statistics around the
+    ALOHA start pose (random-weight demo bundles); ``vla-accel train`` passes the statistics of
+    its data. ``state_dim`` None: the family's default (flow: the action size; ar: no state)."""
     if size not in _SIZES:
         raise ConfigError(f"size={size!r} is not one of {', '.join(_SIZES)}")
+    if family not in ("ar", "flow"):
+        raise ConfigError(f"family={family!r} is not one of ar, flow")
     sz = _SIZES[size]
     vocab = sz["vocab"]
     lm = {"model_type": lm_type, **sz["lm"], "vocab_size": vocab, "max_position_embeddings": 4096, "rope_theta": 10000.0}
     vision = {**sz["vision"], "image_size": 224, "patch_size": 14}
     joints = ALOHA_JOINT_NAMES if action_dim == 14 else tuple(f"joint_{i}" for i in range(action_dim))
-    start = ALOHA_START if action_dim == 14 else np.zeros(action_dim, dtype=np.float32)
-    std = np.full(action_dim, 0.25, dtype=np.float32)
-    stats = {"mean": start, "std": std, "q01": start - 2.5 * std, "q99": start + 2.5 * std}
-    norm = {"action": {k: v.tolist() for k, v in stats.items()}}
+    if state_dim is None:
+        state_dim = action_dim if family == "flow" else 0
+    if norm_stats is None:
+        start = ALOHA_START if action_dim == 14 else np.zeros(action_dim, dtype=np.float32)
+        std = np.full(action_dim, 0.25, dtype=np.float32)
+        stats = {"mean": start, "std": std, "q01": start - 2.5 * std, "q99": start + 2.5 * std}
+        norm_stats = {"action": {k: v.tolist() for k, v in stats.items()}}
+        if state_dim:
+            s_mean = start if state_dim == action_dim else np.zeros(state_dim, dtype=np.float32)
+            norm_stats["state"] = {"mean": s_mean.tolist(), "std": [0.25] * state_dim}
     common = dict(
         cameras=cameras, image_size=224, patch_size=14, action_dim=action_dim, joint_names=joints,
-        vision=vision, dt=0.02,
+        vision=vision, dt=0.02, state_dim=state_dim, norm_stats=norm_stats, name=name or f"demo-{family}-{size}",
     )  # fmt: skip
+    if default_instruction is not None:
+        common["default_instruction"] = default_instruction
     if family == "ar":
         return BundleSpec(
-            family="ar", name=f"demo-ar-{size}", text_vocab=vocab - 256 - 3, action_bins=256,
-            chunk_size=chunk_size or 1, norm_stats=norm, lm=lm, **common,
+            family="ar", text_vocab=vocab - 256 - 3, action_bins=256, chunk_size=chunk_size or 1, lm=lm, **common,
         )  # fmt: skip
-    if family == "flow":
-        norm["state"] = {"mean": start.tolist(), "std": std.tolist()}
-        expert = {
-            "model_type": lm_type, **sz["expert"], "num_hidden_layers": lm["num_hidden_layers"],
-            "num_key_value_heads": lm["num_key_value_heads"], "vocab_size": 1, "max_position_embeddings": 4096,
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-            "rope_theta": 10000.0,
-        }  # fmt: skip
-        return BundleSpec(
-            family="flow", name=f"demo-flow-{size}", text_vocab=vocab - 3, chunk_size=chunk_size or 50,
-            num_steps=10, state_dim=action_dim, instruction_template="{instruction}", norm_stats=norm,
-            lm=lm, expert=expert, **common,
-        )  # fmt: skip
-    raise ConfigError(f"family={family!r} is not one of ar, flow")
+    expert = {
+        "model_type": lm_type, **sz["expert"], "num_hidden_layers": lm["num_hidden_layers"],
+        "num_key_value_heads": lm["num_key_value_heads"], "vocab_size": 1, "max_position_embeddings": 4096,
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "rope_theta": 10000.0,
+    }  # fmt: skip
+    return BundleSpec(
+        family="flow", text_vocab=vocab - 3, chunk_size=chunk_size or 50, num_steps=10,
+        instruction_template="{instruction}", lm=lm, expert=expert, **common,
+    )  # fmt: skip
 
 
 def create_demo_bundle(family: str, size: str, out: str | Path, *, seed: int = 0, **spec_kwargs) -> Path:

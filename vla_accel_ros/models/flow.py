@@ -46,12 +46,14 @@ class FlowVLA(nn.Module):
         self.action_out = nn.Linear(width, spec.action_dim)
 
     def embed_ids(self, ids: list[int]) -> torch.Tensor:
-        return self.vlm.embed_tokens(torch.as_tensor(ids, dtype=torch.long))  # [T, H]
+        return self.vlm.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=self.vlm.embed_tokens.weight.device))  # [T, H]
 
-    def suffix_embeddings(self, x_t: torch.Tensor, t: float) -> torch.Tensor:
-        """x_t: [B, H, D] noisy chunk at flow time t -> [B, H, W] expert inputs."""
+    def suffix_embeddings(self, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+        """x_t: [B, H, D] noisy chunk at flow time t (a float, or [B] per sample) -> [B, H, W]."""
         a = self.action_in(x_t)
-        te = sincos_embedding(torch.tensor(t), a.shape[-1]).expand_as(a)
+        t = torch.as_tensor(t, dtype=torch.float32)
+        te = sincos_embedding(t.reshape(-1), a.shape[-1]).to(a.dtype)  # [1 or B, W]
+        te = te[:, None, :].expand_as(a)
         return self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
 
 
@@ -84,9 +86,6 @@ class FlowPolicy(PolicyBase):
         self.expert_engine = Engine(self.expert_stack, self.cache, max_positions=self.max_slots)
         self.prefix_engine = self.vlm_engine
         self.action_norm = Normalizer(spec.norm_stats["action"], spec.action_dim, "norm_stats.action")
-        self.state_norm = (
-            Normalizer(spec.norm_stats["state"], spec.state_dim, "norm_stats.state") if spec.state_dim else None
-        )
         self._layout_len = -1
         self._rng = np.random.default_rng(config.seed)
 
@@ -115,24 +114,10 @@ class FlowPolicy(PolicyBase):
             self.cache.invalidate()
             self._layout_len = length
 
-    def _state_embedding(self, state: np.ndarray | None) -> torch.Tensor:
-        s = self.spec
-        if state is None:
-            raise ObservationError(f"this flow bundle needs a {s.state_dim}-D state in the observation")
-        state = np.asarray(state, dtype=np.float32).reshape(-1)
-        if state.shape != (s.state_dim,):
-            raise ObservationError(f"observation state has {state.shape[0]} values, the bundle expects {s.state_dim}")
-        z = torch.from_numpy(self.state_norm.normalize_meanstd(state).astype(np.float32))
-        return self.model.state_proj(z)
-
     def _static_prefix(self, layout: PrefixLayout, ids: list[int]) -> torch.Tensor:
-        static = torch.zeros(layout.length, self.model.vlm.config.hidden_size)
+        static = torch.zeros(layout.length, self.model.vlm.config.hidden_size, device=self.model.vlm.embed_tokens.weight.device)
         static[layout.text_start : layout.text_start + layout.text_len] = self.model.embed_ids(ids)
         return static
-
-    def _dynamic_rows(self, full: torch.Tensor, obs: Observation, layout: PrefixLayout) -> None:
-        if layout.state_slot is not None:
-            full[layout.state_slot] = self._state_embedding(obs.state)
 
     def _noise(self, noise: np.ndarray | None) -> torch.Tensor:
         shape = (self.spec.chunk_size, self.spec.action_dim)
@@ -223,6 +208,51 @@ class FlowPolicy(PolicyBase):
             actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, chunk_id=self.next_chunk_id(),
             joint_names=self.spec.joint_names, timings_ms=timer.finish(), stats=stats,
         )  # fmt: skip
+
+    # -- training ---------------------------------------------------------------------------------
+    def training_loss(
+        self,
+        pixels: torch.Tensor,
+        states: torch.Tensor | None,
+        instruction: str,
+        actions: torch.Tensor,
+        valid: torch.Tensor,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Flow matching on a batch (pi0 / SmolVLA): x_t = t * noise + (1 - t) * a, the expert
+        predicts u = noise - a, with t ~ 0.999 * Beta(1.5, 1) + 0.001 (more weight on noisy t).
+
+        The expert attends to the prefix K/V through transformers' own cache, the path the parity
+        gate proves equal to the engine's inference.  pixels: [B, C, 3, S, S]; states: [B, D_s];
+        actions: [B, H, D] robot units; valid: [B, H] (False: padding past the episode's end)."""
+        layout, prefix = self.batch_prefix(pixels, states, instruction)  # [B, P, W]
+        b, p = prefix.shape[:2]
+        h = self.spec.chunk_size
+        st = self.action_norm.stats
+        mean = torch.as_tensor(st["mean"], device=actions.device)
+        std = torch.as_tensor(np.maximum(st["std"], 1e-6), device=actions.device)
+        a = (actions - mean) / std  # [B, H, D]
+        dev = prefix.device
+        noise = torch.randn(a.shape, generator=generator).to(dev)
+        u = torch.rand(b, generator=generator).to(dev)
+        t = 0.999 * u ** (1.0 / 1.5) + 0.001  # inverse CDF of Beta(1.5, 1)
+        x_t = t[:, None, None] * noise + (1.0 - t[:, None, None]) * a
+        target = noise - a
+        pkv = self.model.vlm(
+            inputs_embeds=prefix, attention_mask=torch.ones(b, 1, p, p, dtype=torch.bool, device=dev), use_cache=True
+        ).past_key_values
+        hid = self.model.expert(
+            inputs_embeds=self.model.suffix_embeddings(x_t, t),
+            attention_mask=torch.ones(b, 1, h, p + h, dtype=torch.bool, device=dev),
+            position_ids=torch.arange(p, p + h, device=dev)[None].expand(b, h),
+            past_key_values=pkv,
+            use_cache=True,
+        ).last_hidden_state
+        v = self.model.action_out(hid).float()  # [B, H, D]
+        err = (v - target).pow(2).mean(-1)  # [B, H]
+        w = valid.to(err.dtype)
+        loss = (err * w).sum() / w.sum().clamp_min(1.0)
+        return loss, {"loss": float(loss.detach())}
 
     # -- the plain transformers path: parity gate and benchmark baseline -------------------------
     @torch.inference_mode()

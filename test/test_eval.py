@@ -1,0 +1,41 @@
+"""Closed-loop evaluation (`vla-accel eval`) in the real simulator, on tiny bundles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vla_accel_ros.bench.eval import wilson_interval
+from vla_accel_ros.cli import main
+
+
+def test_wilson_interval():
+    lo, hi = wilson_interval(0, 20)
+    assert lo == 0.0 and 0.15 < hi < 0.17  # 0/20 still allows up to ~16%
+    lo, hi = wilson_interval(20, 20)
+    assert hi == 1.0 and 0.83 < lo < 0.85
+    lo, hi = wilson_interval(10, 20)
+    assert lo < 0.5 < hi and abs((lo + hi) / 2 - 0.5) < 1e-9
+
+
+@pytest.mark.parametrize("family", ["flow", "ar"])
+def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
+    out = tmp_path / "report"
+    argv = ["eval", "--bundle", str(tiny_bundles[family]), "--episodes", "1", "--steps", "8", "--modes",
+            "baseline,cache", "--report", str(out), "--open-loop-episodes", "1", "--open-loop-stride", "4",
+            "--height", "120", "--width", "160", "--no-progress", "--no-parity"]  # fmt: skip
+    if family == "ar":
+        argv.remove("--no-parity")  # the gate runs in one of the two
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["task"] == "transfer_cube" and report["bundle"]["name"] == f"demo-{family}-tiny"
+    assert report["mode_order"] == ["baseline", "cache"]
+    for mode in ("baseline", "cache"):
+        m = report["modes"][mode]
+        assert m["episodes"] == 1 and m["success_rate"] in (0.0, 1.0)
+        lo, hi = m["success_ci95"]
+        assert 0.0 <= lo <= m["success_rate"] <= hi <= 1.0
+        assert m["latency_ms"]["p50"] > 0 and m["inferences_per_episode"] >= 1
+        assert m["open_loop_error"]["mean_abs_rad"] > 0 and m["open_loop_error"]["chunks"] == 2
+    assert (out / "report.md").is_file() and (out / "success.png").is_file()

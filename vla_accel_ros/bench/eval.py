@@ -1,0 +1,379 @@
+"""Closed-loop evaluation in the simulator: task success per acceleration mode, same seeds.
+
+Each mode (the replay benchmark's modes: ``baseline``, ``cache``, presets, ...) gets its own
+policy built like the policy node builds it (:func:`load_policy` with the mode's
+:class:`PolicyConfig`, parity gate included; every mode shares one copy of the weights) and
+runs the same episodes (object placements from the same seeds). An episode is the live graph
+without ROS, on simulated time:
+
+* the simulator renders the bundle's cameras when an observation is needed, and reports its
+  joints in the robot's units; the policy node's observation rule and state assembler turn
+  them into the :class:`Observation` the policy sees (as ``camera_node`` / ``policy_node``);
+* the controller's chunk scheduler and safety filter (``config/aloha.yaml``'s
+  ``action_controller_node`` section) turn chunks into one joint command per 20 ms tick;
+* inference costs no sim time by default (``latency="zero"``: the simulator waits for the
+  chunk, as ``aloha_sim_node``'s ``policy_sync``), so modes are compared on fidelity alone;
+  ``latency="measured"`` lets each chunk arrive its measured wall latency later while the arm
+  keeps executing, which is what a robot on this CPU would experience.
+
+Open-loop error: the policy's chunks against the scripted expert's next actions along
+held-out demonstrations (expert trajectories for the first evaluation seeds), every
+``open_loop_stride`` steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vla_accel_ros.bench.replay import BASELINE, MODES, build_runs, machine_info, parse_modes
+from vla_accel_ros.bench.stats import distribution
+from vla_accel_ros.core.errors import ConfigError
+
+SCHEMA = "vla_accel_ros.eval/1"
+LATENCY_MODELS = ("zero", "measured")
+
+
+@dataclass
+class EvalConfig:
+    bundle: Path
+    task: str = "transfer_cube"
+    episodes: int = 20
+    modes: tuple[str, ...] = ("baseline", "cache")
+    seed: int = 100_000  # episode i places the objects with seed + i (demonstrations use 0, 1, ...)
+    steps: int = 300  # control steps per episode (gym-aloha: 300 = 6 s)
+    latency: str = "zero"
+    open_loop_episodes: int = 2
+    open_loop_stride: int = 10
+    params: Path | None = None  # the graph's parameter file (default: the package's config/aloha.yaml)
+    parity_check: bool = True
+    num_threads: int = 0
+    flow_steps: int = 0
+    cache_overrides: dict[str, Any] = field(default_factory=dict)
+    height: int = 480
+    width: int = 640
+
+    def validate(self) -> None:
+        from vla_accel_ros.sim.aloha import TASK_NAMES
+
+        if self.task not in TASK_NAMES:
+            raise ConfigError(f"--task {self.task!r} is not one of {', '.join(TASK_NAMES)}")
+        if self.episodes < 1:
+            raise ConfigError(f"--episodes must be >= 1, got {self.episodes}")
+        if self.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
+        if self.latency not in LATENCY_MODELS:
+            raise ConfigError(f"--latency {self.latency!r} is not one of {', '.join(LATENCY_MODELS)}")
+        if self.open_loop_episodes < 0 or self.open_loop_stride < 1:
+            raise ConfigError("--open-loop-episodes must be >= 0 and --open-loop-stride >= 1")
+        if not Path(self.bundle).exists():
+            raise ConfigError(f"--bundle {self.bundle} does not exist")
+        parse_modes(list(self.modes))
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate (sensible at 0/n and n/n, unlike Wald's)."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    den = 1.0 + z * z / n
+    center = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+# ---------------------------------------------------------------------------------- the graph
+
+
+@dataclass
+class GraphConfigs:
+    """The parts of the graph's parameter file an episode runs with."""
+
+    robot: Any
+    camera: Any
+    scheduler: Any
+    safety: Any
+
+    @classmethod
+    def load(cls, path: Path | None) -> "GraphConfigs":
+        """From a ROS 2 parameter file, read the way rcl reads it (``ros.graph`` imports no rclpy)."""
+        from vla_accel_ros.core.config import unflatten
+        from vla_accel_ros.core.robot.config import CameraConfig, ControllerConfig
+        from vla_accel_ros.ros.graph import default_params_file, load_params, node_parameters
+
+        params = load_params(path or default_params_file())
+
+        def section(node: str, cls):
+            values = unflatten(node_parameters(params, node))
+            names = {f.name for f in dataclasses.fields(cls)}  # the /** section also holds other nodes' keys
+            return cls.from_dict({k: v for k, v in values.items() if k in names})
+
+        controller = section("action_controller_node", ControllerConfig)
+        camera = section("camera_node", CameraConfig)
+        # A simulated arm needs no enable call: output starts enabled.
+        safety = controller.safety.replace(start_enabled=True)
+        return cls(robot=controller.robot, camera=camera, scheduler=controller.scheduler, safety=safety)
+
+
+class SimRobot:
+    """The simulator as the policy and controller see it: cameras by ROS name, joint states in
+    the robot's units through the policy node's state assembler, commands in the action layout."""
+
+    def __init__(self, task: str, cameras: tuple[str, ...], robot, height: int, width: int) -> None:
+        from vla_accel_ros.core.robot.state import StateAssembler
+        from vla_accel_ros.io.bags import BagLayout
+        from vla_accel_ros.sim.aloha import AlohaSim, SimConfig
+        from vla_accel_ros.sim.robot_io import check_robot
+
+        check_robot(robot)
+        layout = BagLayout()
+        ros_to_sim = {layout.ros_camera(c): c for c in ("top", "angle", "front_close", "left_wrist", "right_wrist",
+                                                          "left_pillar", "right_pillar")}  # fmt: skip
+        missing = [c for c in cameras if c not in ros_to_sim]
+        if missing:
+            raise ConfigError(f"the simulator has no camera(s) {', '.join(missing)}; it has {', '.join(sorted(ros_to_sim))}")
+        self.cameras = {c: ros_to_sim[c] for c in cameras}  # ROS name -> sim name
+        self.robot = robot
+        self.sim = AlohaSim(SimConfig(task=task, cameras=(), height=height, width=width))
+        self.state = StateAssembler(robot)
+
+    def reset(self, seed: int) -> None:
+        self.sim.reset(seed, cameras=())
+        self.state.reset()
+
+    def measured(self, stamp_ns: int) -> np.ndarray:
+        """The robot's state [D] as the policy node assembles it from the joint-state topics."""
+        from vla_accel_ros.sim.robot_io import joint_state_messages
+
+        sim = self.sim
+        for k, (names, pos, _vel) in enumerate(joint_state_messages(self.robot, sim.qpos(), sim.qvel())):
+            self.state.update(k, names, pos, stamp_ns)
+        st = self.state.state()
+        assert st is not None  # every joint was just published
+        return st[0]
+
+    def images(self) -> dict[str, np.ndarray]:
+        return {ros: self.sim.render(s, self.sim.config.height, self.sim.config.width) for ros, s in self.cameras.items()}
+
+    def step(self, command: np.ndarray) -> None:
+        self.sim.step(command, cameras=())
+
+    @property
+    def reward(self) -> float:
+        return self.sim.max_reward
+
+    @property
+    def success(self) -> bool:
+        return self.sim.success
+
+    @property
+    def instruction(self) -> str:
+        return self.sim.instruction
+
+
+@dataclass
+class EpisodeResult:
+    seed: int
+    success: bool
+    max_reward: float
+    inferences: int
+    latency_ms: list[float]
+    holding_fraction: float
+
+
+def run_episode(robot: SimRobot, policy, graph: GraphConfigs, seed: int, cfg: EvalConfig, noise_seed: int) -> EpisodeResult:
+    """One closed-loop episode on simulated time (see the module docstring)."""
+    from vla_accel_ros.core.robot.observation import ObservationAssembler
+    from vla_accel_ros.core.robot.safety import SafetyFilter
+    from vla_accel_ros.core.scheduling import ChunkScheduler
+    from vla_accel_ros.core.types import Observation
+    from vla_accel_ros.sim.live import DT_NS
+
+    spec = policy.spec
+    robot.reset(seed)
+    policy.reset()
+    cams = tuple(robot.cameras)
+    assembler = ObservationAssembler(
+        cams, max_age_ns=int(graph.camera.max_age_ms * 1e6), max_skew_ns=int(graph.camera.max_skew_ms * 1e6)
+    )
+    scheduler = ChunkScheduler(graph.scheduler)
+    safety = SafetyFilter(graph.robot, graph.safety)
+    now = DT_NS  # as aloha_sim_node: sim time starts one tick in
+    measured = robot.measured(now)
+    scheduler.reset(hold_action=measured)
+    rng = np.random.default_rng((noise_seed, seed))
+    in_flight: list[tuple[int, Any]] = []  # (arrival time, chunk)
+    latencies: list[float] = []
+    holding = 0
+    for _ in range(cfg.steps):
+        measured = robot.measured(now)
+        result = scheduler.step(now)
+        holding += bool(result.holding)
+        action = result.action if result.action is not None else measured
+        command = safety.filter(action, measured).command
+        arrived = [c for t, c in in_flight if t <= now]
+        in_flight = [(t, c) for t, c in in_flight if t > now]
+        for chunk in arrived:
+            scheduler.add_chunk(chunk, now)
+        if not in_flight and scheduler.wants_inference(now):
+            for cam, image in robot.images().items():
+                assembler.put(cam, image, now)
+            assembled = assembler.assemble(now)
+            if assembled is not None:
+                obs = Observation(images=assembled.images, instruction=robot.instruction, stamp_ns=assembled.stamp_ns,
+                                  state=measured if spec.state_dim else None)  # fmt: skip
+                request = scheduler.request_inference(now, obs.stamp_ns)
+                noise = rng.standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
+                chunk = policy.infer(obs, noise=noise, guidance=request.guidance)
+                ms = float(chunk.timings_ms["total"])
+                latencies.append(ms)
+                if cfg.latency == "zero":
+                    scheduler.add_chunk(chunk, now)
+                else:
+                    in_flight.append((now + int(ms * 1e6), chunk))
+        robot.step(command)
+        now += DT_NS
+    return EpisodeResult(seed, robot.success, robot.reward, len(latencies), latencies, holding / cfg.steps)
+
+
+# ------------------------------------------------------------------------------ open loop
+
+
+@dataclass
+class Demo:
+    seed: int
+    frames: list[tuple[int, dict[str, np.ndarray], np.ndarray]]  # (step, images, state)
+    actions: np.ndarray  # [T, D] the expert's actions
+
+
+def record_demos(robot: SimRobot, task: str, seeds: list[int], steps: int, stride: int) -> list[Demo]:
+    """The scripted expert on ``seeds``, rendering every ``stride``-th step only."""
+    from vla_accel_ros.sim.live import DT_NS
+    from vla_accel_ros.sim.scripted import ScriptedExpert
+
+    demos = []
+    for seed in seeds:
+        robot.reset(seed)
+        sim = robot.sim
+        expert = ScriptedExpert(task, sim.seed, sim.object_qpos)
+        frames, actions = [], []
+        for t in range(steps):
+            if t % stride == 0:
+                frames.append((t, robot.images(), robot.measured((t + 1) * DT_NS)))
+            a = expert.act(t, sim.object_qpos)
+            actions.append(a)
+            robot.step(a)
+        demos.append(Demo(seed, frames, np.asarray(actions, np.float32)))
+    return demos
+
+
+def open_loop_error(policy, demos: list[Demo], instruction: str, lower: np.ndarray, upper: np.ndarray) -> dict[str, Any]:
+    """Mean |chunk - expert| over the valid part of every chunk: in the action's units (rad for
+    arm joints, normalized for grippers) and as a fraction of each joint's range."""
+    from vla_accel_ros.core.types import Observation
+
+    errs = []
+    for demo in demos:
+        policy.reset()
+        for step, images, state in demo.frames:
+            obs = Observation(images=images, instruction=instruction, stamp_ns=step + 1, state=state)
+            noise = np.random.default_rng((demo.seed, step)).standard_normal((policy.spec.chunk_size, policy.spec.action_dim))
+            chunk = policy.infer(obs, noise=noise.astype(np.float32))
+            n = min(chunk.horizon, demo.actions.shape[0] - step)
+            errs.append(np.abs(chunk.actions[:n] - demo.actions[step : step + n]))  # [n, D]
+    if not errs:
+        return {}
+    e = np.concatenate(errs)  # [N, D]
+    span = np.where(np.isfinite(upper - lower), upper - lower, 1.0)
+    per_joint = e.mean(0)
+    return {
+        "mean_abs_rad": float(per_joint.mean()),
+        "mean_abs_range_fraction": float((per_joint / span).mean()),
+        "first_action_mean_abs": float(np.mean([x[0].mean() for x in errs])),
+        "per_joint_mean_abs": [round(float(x), 5) for x in per_joint],
+        "chunks": len(errs),
+        "note": "grippers in normalized units (0 closed, 1 open); arm joints in rad",
+    }
+
+
+# ---------------------------------------------------------------------------------- the run
+
+
+def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from vla_accel_ros.core.bundle import load_bundle
+    from vla_accel_ros.core.robot.safety import default_limits
+
+    cfg.validate()
+    names = parse_modes(list(cfg.modes))
+    graph = GraphConfigs.load(cfg.params)
+    bundle = load_bundle(cfg.bundle)
+    spec = bundle.spec
+    if tuple(spec.joint_names) != tuple(graph.robot.joint_names):
+        raise ConfigError(f"bundle {spec.name} joints {list(spec.joint_names)} differ from robot.joint_names")
+    robot = SimRobot(cfg.task, tuple(spec.cameras), graph.robot, cfg.height, cfg.width)
+    runs = build_runs(bundle, names, cfg)
+    seeds = [cfg.seed + i for i in range(cfg.episodes)]
+    lo, hi = (graph.safety.lower, graph.safety.upper) if graph.safety.lower else default_limits(graph.robot)
+    demos = record_demos(robot, cfg.task, seeds[: cfg.open_loop_episodes], cfg.steps, cfg.open_loop_stride)
+    modes: dict[str, Any] = {}
+    total = len(runs) * len(seeds)
+    bar = tqdm(total=total, desc="eval", unit="episode", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    with bar:
+        for r in runs:
+            results = []
+            for seed in seeds:
+                res = run_episode(robot, r.policy, graph, seed, cfg, noise_seed=cfg.seed)
+                results.append(res)
+                bar.update(1)
+                ok = sum(x.success for x in results)
+                bar.set_postfix_str(f"{r.name}: {ok}/{len(results)} success")
+            ol = open_loop_error(r.policy, demos, robot.instruction, np.asarray(lo), np.asarray(hi))
+            modes[r.name] = summarize_mode(r, results, ol)
+    base_p50 = modes[BASELINE]["latency_ms"]["p50"]
+    for m in modes.values():
+        m["speedup_vs_baseline"] = float(base_p50 / m["latency_ms"]["p50"]) if m["latency_ms"]["p50"] else None
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "task": cfg.task,
+        "bundle": {"name": spec.name, "path": str(cfg.bundle), "family": spec.family, "chunk_size": spec.chunk_size},
+        "episodes": cfg.episodes,
+        "seeds": seeds,
+        "steps": cfg.steps,
+        "latency_model": cfg.latency,
+        "scheduler": graph.scheduler.to_dict(),
+        "mode_order": names,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "machine": machine_info(),
+        "modes": modes,
+    }
+
+
+def summarize_mode(run, results: list[EpisodeResult], open_loop: dict[str, Any]) -> dict[str, Any]:
+    n = len(results)
+    ok = sum(r.success for r in results)
+    lat = [x for r in results for x in r.latency_ms]
+    return {
+        "doc": MODES[run.name].doc,
+        "policy_config": run.config,
+        "episodes": n,
+        "successes": ok,
+        "success_rate": ok / n,
+        "success_ci95": list(wilson_interval(ok, n)),
+        "mean_reward": float(np.mean([r.max_reward for r in results])),
+        "latency_ms": distribution(lat) if lat else {"p50": float("nan"), "p95": float("nan")},
+        "inferences_per_episode": float(np.mean([r.inferences for r in results])),
+        "holding_fraction": float(np.mean([r.holding_fraction for r in results])),
+        "open_loop_error": open_loop,
+        "per_episode": [{"seed": r.seed, "success": r.success, "max_reward": r.max_reward} for r in results],
+    }

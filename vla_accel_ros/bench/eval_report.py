@@ -1,0 +1,104 @@
+"""The closed-loop evaluation's report: report.json, report.md and two plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vla_accel_ros.bench import report
+from vla_accel_ros.bench.report import _md_table, _text_table
+
+PLOTS = ("success.png", "error_vs_speedup.png")
+HEADER = ["mode", "success", "95% CI", "mean reward", "p50 ms", "p95 ms", "speedup", "open-loop |err| rad", "err / range"]
+
+
+def rows(result: dict[str, Any]) -> list[list[str]]:
+    out = []
+    for name in result["mode_order"]:
+        m = result["modes"][name]
+        lo, hi = m["success_ci95"]
+        ol = m.get("open_loop_error") or {}
+        out.append([
+            name, f"{m['successes']}/{m['episodes']} ({100 * m['success_rate']:.0f}%)", f"[{100 * lo:.0f}, {100 * hi:.0f}]%",
+            f"{m['mean_reward']:.2f}", f"{m['latency_ms']['p50']:.1f}", f"{m['latency_ms']['p95']:.1f}",
+            f"{m['speedup_vs_baseline']:.2f}x" if m.get("speedup_vs_baseline") else "-",
+            f"{ol['mean_abs_rad']:.4f}" if "mean_abs_rad" in ol else "-",
+            f"{100 * ol['mean_abs_range_fraction']:.2f}%" if "mean_abs_range_fraction" in ol else "-",
+        ])  # fmt: skip
+    return out
+
+
+def title(result: dict[str, Any]) -> str:
+    b = result["bundle"]
+    return (
+        f"eval: {result['task']}, bundle {b['name']} ({b['family']}), {result['episodes']} episodes x "
+        f"{result['steps']} steps per mode (seeds {result['seeds'][0]}..{result['seeds'][-1]}), latency model "
+        f"{result['latency_model']}"
+    )
+
+
+def headline_text(result: dict[str, Any]) -> str:
+    return title(result) + "\n" + _text_table(HEADER, rows(result))
+
+
+def markdown(result: dict[str, Any], plots: list[str]) -> str:
+    parts = [
+        f"# Closed-loop evaluation: {result['bundle']['name']} on {result['task']}",
+        "",
+        title(result) + ".",
+        "",
+        f"Command: `{result['command']}`" if result.get("command") else "",
+        "",
+        _md_table(HEADER, rows(result)),
+        "",
+        "Success: the task's reward reached its maximum (4) during the episode; 95% CI is the Wilson score "
+        "interval. Latency: observation in to actions out (ActionChunk timings), selection included. Open-loop "
+        "error: mean |chunk - scripted expert| along held-out expert demonstrations (arm joints in rad, grippers "
+        "normalized), and as a fraction of each joint's range.",
+        "",
+    ]
+    parts += [f"![{p}]({p})" for p in plots]
+    return "\n".join(parts) + "\n"
+
+
+def write_plots(result: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = result["mode_order"]
+    modes = result["modes"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rates = [100 * modes[n]["success_rate"] for n in names]
+    lo = [100 * (modes[n]["success_rate"] - modes[n]["success_ci95"][0]) for n in names]
+    hi = [100 * (modes[n]["success_ci95"][1] - modes[n]["success_rate"]) for n in names]
+    ax.bar(names, rates, yerr=[lo, hi], capsize=6, color="tab:blue", alpha=0.8)
+    ax.set_ylabel("success [%] (95% Wilson interval)")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"{result['bundle']['name']} on {result['task']}, {result['episodes']} episodes per mode")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / PLOTS[0], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for n in names:
+        m = modes[n]
+        err = (m.get("open_loop_error") or {}).get("mean_abs_rad")
+        if err is None or not m.get("speedup_vs_baseline"):
+            continue
+        ax.scatter(m["speedup_vs_baseline"], err, s=60)
+        ax.annotate(n, (m["speedup_vs_baseline"], err), textcoords="offset points", xytext=(5, 5))
+    ax.set_xlabel("obs-to-action speedup vs baseline (p50)")
+    ax.set_ylabel("open-loop mean |error| vs expert [rad]")
+    ax.set_title("Open-loop error against speedup")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / PLOTS[1], dpi=100)
+    plt.close(fig)
+    return list(PLOTS)
+
+
+def write_report(result: dict[str, Any], out_dir: str | Path, *, plots: bool = True) -> dict[str, Path]:
+    return report.write_report(result, out_dir, plots=plots, to_markdown=markdown, plotter=write_plots)

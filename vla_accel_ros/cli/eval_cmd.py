@@ -1,0 +1,64 @@
+"""``vla-accel eval``: closed-loop task success per acceleration mode in the simulator."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="closed-loop success, latency and open-loop error per mode in the ALOHA simulator (same seeds)",
+        description="Runs --episodes simulated episodes per mode on the same seeds, through the policy the policy "
+        "node builds and the controller's chunk scheduler and safety filter, on simulated time; writes "
+        "report.json, report.md and plots into --report.",
+    )
+    p.add_argument("--bundle", required=True, type=Path, help="model bundle directory")
+    p.add_argument("--task", default="transfer_cube", choices=("transfer_cube", "insertion"))
+    p.add_argument("--episodes", type=int, default=20, help="episodes per mode (default %(default)s)")
+    p.add_argument("--modes", default="baseline,cache", help="comma-separated modes, as `vla-accel replay` (baseline added)")
+    p.add_argument("--report", required=True, type=Path, help="directory for report.json, report.md and plots")
+    p.add_argument("--seed", type=int, default=100_000, help="seed of episode 0 (demonstrations use 0, 1, ...)")
+    p.add_argument("--steps", type=int, default=300, help="control steps per episode (300 = 6 s)")
+    p.add_argument(
+        "--latency", choices=("zero", "measured"), default="zero",
+        help="zero: the simulator waits for each chunk (fidelity only); measured: chunks land after their "
+        "measured latency while the arm keeps moving",
+    )  # fmt: skip
+    p.add_argument("--open-loop-episodes", type=int, default=2, help="expert demonstrations for the open-loop error")
+    p.add_argument("--open-loop-stride", type=int, default=10, help="steps between two open-loop inferences")
+    p.add_argument("--height", type=int, default=480, help="rendered image height (the bundle resizes)")
+    p.add_argument("--width", type=int, default=640, help="rendered image width")
+    p.add_argument("--params", type=Path, default=None, help="the graph's parameter file (default: config/aloha.yaml)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--flow-steps", type=int, default=0, help="flow: Euler steps per chunk (0: the bundle's)")
+    p.add_argument("--cache", action="append", default=[], metavar="FIELD=VALUE", help="override a CacheConfig field")
+    p.add_argument("--no-parity", action="store_true", help="skip the parity gate")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from vla_accel_ros.bench.eval import EvalConfig, run_eval
+    from vla_accel_ros.bench.eval_report import headline_text, write_report
+    from vla_accel_ros.bench.replay import parse_modes
+    from vla_accel_ros.cli.cache_bench_cmd import parse_overrides
+
+    cfg = EvalConfig(
+        bundle=args.bundle, task=args.task, episodes=args.episodes, modes=tuple(parse_modes(args.modes)),
+        seed=args.seed, steps=args.steps, latency=args.latency, open_loop_episodes=args.open_loop_episodes,
+        open_loop_stride=args.open_loop_stride, params=args.params, parity_check=not args.no_parity,
+        num_threads=args.threads, flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
+        height=args.height, width=args.width,
+    )  # fmt: skip
+    cfg.validate()
+    command = shlex.join(["vla-accel", "eval", *sys.argv[2:]]) if len(sys.argv) > 1 and sys.argv[1] == "eval" else ""
+    result = run_eval(cfg, progress=not args.no_progress, command=command)
+    paths = write_report(result, args.report, plots=not args.no_plots)
+    print(headline_text(result))
+    print(f"report: {', '.join(str(p) for p in paths.values())}")
+    return 0

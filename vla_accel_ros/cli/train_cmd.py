@@ -1,0 +1,104 @@
+"""``vla-accel train``: behaviour cloning of a bundle from rosbag2 demonstrations."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from vla_accel_ros.train.trainer import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser(
+        "train",
+        help="train a bundle by behaviour cloning on recorded demonstrations (e.g. `vla-accel sim record`)",
+        description="Reads every episode of the bags through the policy node's observation rule, holds out the "
+        "last --val-episodes episodes, computes the bundle's normalization statistics from the rest, trains, "
+        "and writes an ordinary bundle (config.json + model.safetensors) to --out, with train_log.jsonl and a "
+        "resumable checkpoint/ beside it.",
+    )
+    p.add_argument("--family", choices=("ar", "flow"), required=True)
+    p.add_argument("--data", type=Path, nargs="+", required=True, metavar="BAG", help="rosbag2 bags with demonstrations")
+    p.add_argument("--out", type=Path, required=True, help="bundle directory to write")
+    p.add_argument("--size", choices=("tiny", "mini", "small"), default=d.size, help=f"model size (default {d.size})")
+    p.add_argument("--cameras", default=",".join(d.cameras), help="comma-separated ROS camera names (default %(default)s)")
+    p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="actions per inference (0: ar 10, flow 50)")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch", type=int, default=d.batch_size)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--frame-stride", type=int, default=d.frame_stride, help="train on every N-th frame")
+    p.add_argument("--val-episodes", type=int, default=d.val_episodes, help="episodes held out (the last ones)")
+    p.add_argument("--shift", type=int, default=d.shift, help="augmentation: random image shift in pixels (0: off)")
+    p.add_argument("--fp32", action="store_true", help="no bfloat16 autocast in the forward pass")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: all cores)")
+    p.add_argument("--device", default=d.device, help="cpu or cuda")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
+    p.add_argument("--save-dtype", choices=("float16", "float32"), default=d.save_dtype)
+    p.add_argument("--name", default="", help="bundle name (default <task>-<family>)")
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from vla_accel_ros.core.errors import ConfigError
+    from vla_accel_ros.train.data import read_episodes
+    from vla_accel_ros.train.trainer import CHECKPOINT_DIR, TrainConfig, Trainer
+
+    cfg = TrainConfig(
+        family=args.family, size=args.size, cameras=tuple(c.strip() for c in args.cameras.split(",") if c.strip()),
+        chunk_size=args.chunk_size, epochs=args.epochs, batch_size=args.batch, lr=args.lr,
+        weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
+        val_episodes=args.val_episodes, shift=args.shift, bf16=not args.fp32, seed=args.seed, threads=args.threads,
+        device=args.device, checkpoint_every=args.checkpoint_every, save_dtype=args.save_dtype, name=args.name,
+    )  # fmt: skip
+    missing = [str(b) for b in args.data if not b.exists()]
+    if missing:
+        raise ConfigError(f"--data: no such bag(s): {', '.join(missing)}")
+    out: Path = args.out
+    if out.exists() and not args.resume and any(out.iterdir()):
+        raise ConfigError(f"--out {out} exists and is not empty; pass --resume to continue its checkpoint or choose a new directory")
+    if args.resume and not (out / CHECKPOINT_DIR / "trainer.json").is_file():
+        raise ConfigError(f"--resume: {out / CHECKPOINT_DIR} holds no checkpoint")
+    out.mkdir(parents=True, exist_ok=True)
+    progress = not args.no_progress
+    t0 = time.perf_counter()
+    episodes = read_episodes(args.data, cfg.cameras, 224, progress=progress)
+    frames = sum(len(e) for e in episodes)
+    print(f"read {len(episodes)} episodes, {frames} frames in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    task = _task_name(episodes[0].instruction)
+    trainer = Trainer(cfg, episodes, out, task=task)
+    if args.resume:
+        trainer.load_checkpoint()
+        print(f"resumed at step {trainer.step} of {trainer.total_steps}", file=sys.stderr)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    print(
+        f"training {trainer.spec.name}: {cfg.family}/{cfg.size}, {params / 1e6:.2f} M parameters, "
+        f"{len(trainer.train_set)} training samples ({len(trainer.train_set.episodes)} episodes), "
+        f"{len(trainer.val_set) if trainer.val_set else 0} validation samples, {trainer.total_steps} steps",
+        file=sys.stderr,
+    )
+    result = trainer.run(progress=progress)
+    path = trainer.save_bundle()
+    summary = {
+        "bundle": str(path), "steps": result.steps, "epochs": result.epochs, "seconds": round(result.seconds, 1),
+        "samples_seen": result.train_samples, "val_loss": result.val_loss,
+    }  # fmt: skip
+    print(json.dumps(summary))
+    return 0
+
+
+def _task_name(instruction: str) -> str:
+    from vla_accel_ros.sim.aloha import TASKS
+
+    for name, spec in TASKS.items():
+        if spec.instruction == instruction:
+            return name
+    return "policy"

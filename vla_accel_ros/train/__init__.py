@@ -1,0 +1,1 @@
+"""Behaviour cloning of bundles from recorded demonstrations (``vla-accel train``)."""

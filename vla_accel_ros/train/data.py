@@ -1,0 +1,221 @@
+"""Behaviour-cloning data from rosbag2 bags, read the way the policy node sees the robot.
+
+Every sample comes from :meth:`~vla_accel_ros.io.bags.BagReader.samples` (the project's one
+observation rule: cameras, joint state through the policy node's state assembler, instruction,
+episode) and is preprocessed by the policy's own :func:`preprocess_frames`, so a trained bundle
+sees at run time exactly the pixels and state it was trained on. Per kept frame the target is
+the chunk of the next ``chunk_size`` recorded actions of its episode (padded with the last
+action past the episode's end, and marked invalid there).
+
+Whole episodes are held out for validation (the last ones, so a recording extended with more
+episodes keeps its validation set), and the normalization statistics come from the training
+episodes only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from vla_accel_ros.core.errors import BagError, ConfigError
+
+
+@dataclass
+class Episode:
+    """One recorded episode at the model's resolution.
+
+    frames: [T, C, S, S, 3] uint8; states: [T, D_s] float32 (robot units, grippers normalized);
+    actions: [T, D] float32; instruction: the episode's instruction ('' when the bag has none).
+    """
+
+    source: str  # "<bag>#<episode index>"
+    frames: np.ndarray
+    states: np.ndarray
+    actions: np.ndarray
+    instruction: str
+
+    def __len__(self) -> int:
+        return int(self.frames.shape[0])
+
+
+@dataclass
+class DataStats:
+    """Normalization statistics of a set of episodes, in the bundle's ``norm_stats`` layout."""
+
+    action: dict[str, list[float]]
+    state: dict[str, list[float]] | None
+
+    def to_norm_stats(self) -> dict:
+        out: dict = {"action": self.action}
+        if self.state is not None:
+            out["state"] = self.state
+        return out
+
+
+# A joint that never moves in the demonstrations has std 0 and q01 == q99; floors keep the
+# normalized values finite and a policy's output near the recorded value.
+STD_FLOOR = 1e-2
+SPAN_FLOOR = 2e-2
+
+
+def compute_stats(episodes: Sequence[Episode]) -> DataStats:
+    acts = np.concatenate([e.actions for e in episodes]).astype(np.float64)
+    q01, q99 = np.quantile(acts, 0.01, axis=0), np.quantile(acts, 0.99, axis=0)
+    mid, half = (q01 + q99) / 2, np.maximum((q99 - q01) / 2, SPAN_FLOOR / 2)
+    action = {
+        "mean": acts.mean(0).tolist(),
+        "std": np.maximum(acts.std(0), STD_FLOOR).tolist(),
+        "q01": (mid - half).tolist(),
+        "q99": (mid + half).tolist(),
+    }
+    state = None
+    if episodes[0].states.shape[1]:
+        st = np.concatenate([e.states for e in episodes]).astype(np.float64)
+        state = {"mean": st.mean(0).tolist(), "std": np.maximum(st.std(0), STD_FLOOR).tolist()}
+    return DataStats(action=action, state=state)
+
+
+def read_episodes(
+    bags: Sequence[str | Path],
+    cameras: Sequence[str],
+    image_size: int,
+    *,
+    progress: bool = True,
+) -> list[Episode]:
+    """Every episode of ``bags`` with the ``cameras`` (ROS camera names) at ``image_size``.
+
+    Episodes without recorded actions or joint states are an error: behaviour cloning needs
+    both. Frames are kept at the model's resolution only (a 480x640 frame is 4x the memory)."""
+    from tqdm import tqdm
+
+    from vla_accel_ros.io.bags import BagReader, SyncConfig
+    from vla_accel_ros.models.common import preprocess_frames
+
+    parts: list[dict] = []  # per episode: lists of frames, states, actions
+    for path in bags:
+        with BagReader(path) as bag:
+            have = bag.cameras()
+            missing = [c for c in cameras if c not in have]
+            if missing:
+                raise BagError(f"{path} has no camera(s) {', '.join(missing)}; it has {', '.join(sorted(have))}")
+            total = bag.topics[have[cameras[0]]].count
+            bar = tqdm(total=total, desc=f"reading {Path(path).name}", unit="frame", disable=not progress, leave=False)
+            episode = None
+            for sample in bag.samples(SyncConfig(trigger=cameras[0], cameras=tuple(cameras))):
+                bar.update(1)
+                obs = sample.observation
+                if sample.action is None or obs.state is None:
+                    raise BagError(f"{path}: behaviour cloning needs recorded actions and joint states at every frame")
+                if episode != obs.episode:
+                    episode = obs.episode
+                    parts.append({"source": f"{path}#{episode}", "instruction": obs.instruction, "f": [], "s": [], "a": []})
+                cur = parts[-1]
+                cur["f"].append(preprocess_frames(obs.images, tuple(cameras), image_size).raw.numpy())  # [C, S, S, 3]
+                cur["s"].append(np.asarray(obs.state, np.float32))
+                cur["a"].append(np.asarray(sample.action, np.float32))
+            bar.close()
+    if not parts:
+        raise BagError(f"no usable frames in {', '.join(map(str, bags))}")
+    return [
+        Episode(source=p["source"], frames=np.stack(p["f"]), states=np.stack(p["s"]), actions=np.stack(p["a"]),
+                instruction=p["instruction"])
+        for p in parts
+    ]  # fmt: skip
+
+
+def split_episodes(episodes: list[Episode], val_episodes: int) -> tuple[list[Episode], list[Episode]]:
+    """The last ``val_episodes`` episodes for validation, the rest for training."""
+    if not 0 <= val_episodes < len(episodes):
+        raise ConfigError(
+            f"val_episodes={val_episodes} must leave at least one training episode of {len(episodes)}"
+        )
+    cut = len(episodes) - val_episodes
+    return episodes[:cut], episodes[cut:]
+
+
+@dataclass
+class Batch:
+    pixels: torch.Tensor  # [B, C, 3, S, S] float32 in [-1, 1] (SigLIP normalization)
+    states: torch.Tensor  # [B, D_s]
+    actions: torch.Tensor  # [B, H, D]
+    valid: torch.Tensor  # [B, H] bool
+    instruction: str
+
+
+@dataclass
+class ChunkDataset:
+    """(frame, state, next ``chunk_size`` actions) samples over episodes, every ``stride``-th frame."""
+
+    episodes: list[Episode]
+    chunk_size: int
+    stride: int = 1
+    index: np.ndarray = field(init=False)  # [N, 2] (episode, frame)
+
+    def __post_init__(self) -> None:
+        if self.stride < 1 or self.chunk_size < 1:
+            raise ConfigError(f"stride and chunk_size must be >= 1, got {self.stride} and {self.chunk_size}")
+        rows = [(i, t) for i, e in enumerate(self.episodes) for t in range(0, len(e), self.stride)]
+        self.index = np.asarray(rows, np.int64).reshape(-1, 2)
+        instructions = {e.instruction for e in self.episodes}
+        if len(instructions) > 1:
+            # One prompt length per batch keeps the prefix layout (and its K/V slots) shared.
+            raise ConfigError(f"the episodes carry several instructions ({sorted(instructions)}); train one task at a time")
+
+    def __len__(self) -> int:
+        return int(self.index.shape[0])
+
+    @property
+    def instruction(self) -> str:
+        return self.episodes[0].instruction
+
+    def batch(self, rows: np.ndarray, *, shift: int = 0, generator: torch.Generator | None = None) -> Batch:
+        """The samples ``rows`` (indices into this dataset). ``shift`` > 0: random translation
+        of each image by up to ``shift`` pixels (edge padding), a cheap, standard augmentation
+        for image policies trained on few demonstrations."""
+        h = self.chunk_size
+        frames, states, actions, valid = [], [], [], []
+        for r in rows:
+            ei, t = self.index[int(r)]
+            e = self.episodes[int(ei)]
+            end = min(len(e), t + h)
+            chunk = e.actions[t:end]
+            pad = h - chunk.shape[0]
+            if pad:
+                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)])
+            frames.append(e.frames[t])
+            states.append(e.states[t])
+            actions.append(chunk)
+            valid.append(np.arange(h) < h - pad)
+        raw = torch.from_numpy(np.stack(frames))  # [B, C, S, S, 3] uint8
+        pixels = raw.permute(0, 1, 4, 2, 3).float().div_(127.5).sub_(1.0)  # as preprocess_frames
+        if shift > 0:
+            pixels = random_shift(pixels, shift, generator)
+        return Batch(
+            pixels=pixels,
+            states=torch.from_numpy(np.stack(states)),
+            actions=torch.from_numpy(np.stack(actions)),
+            valid=torch.from_numpy(np.stack(valid)),
+            instruction=self.instruction,
+        )
+
+    def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
+        return np.random.default_rng([seed, epoch]).permutation(len(self))
+
+    def batches(self, batch_size: int) -> Iterator[np.ndarray]:
+        """Consecutive rows in order (validation)."""
+        for i in range(0, len(self), batch_size):
+            yield np.arange(i, min(len(self), i + batch_size))
+
+
+def random_shift(pixels: torch.Tensor, shift: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Translate each image [B, C, 3, S, S] by integer offsets in [-shift, shift] (replicate padding)."""
+    b, c, ch, s, _ = pixels.shape
+    flat = pixels.reshape(b * c, ch, s, s)
+    padded = torch.nn.functional.pad(flat, (shift, shift, shift, shift), mode="replicate")
+    off = torch.randint(0, 2 * shift + 1, (b * c, 2), generator=generator)
+    out = torch.stack([padded[i, :, y : y + s, x : x + s] for i, (y, x) in enumerate(off.tolist())])
+    return out.reshape(b, c, ch, s, s)

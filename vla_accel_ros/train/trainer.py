@@ -1,0 +1,267 @@
+"""Behaviour cloning of a bundle from recorded demonstrations (``vla-accel train``).
+
+The model is an ordinary bundle model (:func:`~vla_accel_ros.models.factory.build_model`)
+wrapped in its inference policy, whose ``training_loss`` builds the prefix with the same
+layout ``infer`` uses; the result is saved as an ordinary bundle, so every path of the package
+(engine, token cache, parity gate, ROS graph, replay, eval) runs it unchanged.
+
+Deterministic for a seed: the initial weights come from the seed, the sample order of epoch e
+from (seed, e), and the noise, flow times and augmentation of step k from (seed, k), so a run
+resumed from a checkpoint continues exactly as the uninterrupted one would have. Checkpoints
+are safetensors (weights and optimizer state) and JSON; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.train.data import ChunkDataset, DataStats, Episode, compute_stats, split_episodes
+
+CHECKPOINT_DIR = "checkpoint"
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainConfig(Config):
+    family: str = param("flow", doc="policy family", choices=("ar", "flow"))
+    size: str = param("mini", doc="model size preset", choices=("tiny", "mini", "small"))
+    cameras: tuple[str, ...] = param(("cam_high",), doc="ROS camera names the policy sees, in token order")
+    chunk_size: int = param(0, doc="actions per inference (0: the family's default, ar 10, flow 50)", range=(0, 1024))
+    epochs: int = param(20, doc="passes over the training frames", range=(1, 100_000))
+    batch_size: int = param(16, doc="samples per optimizer step", range=(1, 4096))
+    lr: float = param(3e-4, doc="peak AdamW learning rate", range=(1e-7, 1.0))
+    weight_decay: float = param(1e-4, doc="AdamW weight decay", range=(0.0, 1.0))
+    warmup_steps: int = param(300, doc="linear warm-up steps before the cosine decay", range=(0, 10_000_000))
+    min_lr_ratio: float = param(0.1, doc="the cosine decays to this fraction of lr", range=(0.0, 1.0))
+    grad_clip: float = param(1.0, doc="clip the gradient norm (0: off)", range=(0.0, 1e6))
+    frame_stride: int = param(1, doc="train on every N-th frame of each episode", range=(1, 10_000))
+    val_episodes: int = param(2, doc="episodes held out for validation (the last ones)", range=(0, 100_000))
+    shift: int = param(8, doc="random image translation in pixels for augmentation (0: off)", range=(0, 64))
+    bf16: bool = param(True, doc="bfloat16 autocast for the forward pass (weights and optimizer stay fp32)")
+    seed: int = param(0, doc="weights, sample order, noise and augmentation", range=(0, 2**31 - 1))
+    threads: int = param(0, doc="torch CPU threads (0: all cores)", range=(0, 1024))
+    device: str = param("cpu", doc="torch device, e.g. cpu or cuda")
+    checkpoint_every: int = param(500, doc="also checkpoint every N steps (0: only at epoch ends)", range=(0, 10_000_000))
+    lm_type: str = param("llama", doc="decoder family of the language model", choices=("llama", "qwen2"))
+    save_dtype: str = param("float16", doc="dtype of the bundle's weights on disk (loaded as float32)", choices=("float16", "float32"))
+    name: str = param("", doc="bundle name ('' = <task>-<family>)")
+
+    def resolved_chunk(self) -> int:
+        return self.chunk_size or (10 if self.family == "ar" else 50)
+
+
+@dataclass
+class TrainResult:
+    bundle: Path
+    steps: int
+    epochs: int
+    seconds: float
+    train_samples: int
+    val_loss: float | None
+    history: list[dict]
+
+
+def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    cos = 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cos)
+
+
+def _step_generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, episodes: list[Episode], out: Path, *, task: str = "") -> None:
+        from vla_accel_ros.core.policy_config import PolicyConfig
+        from vla_accel_ros.models.factory import build_model, build_policy, demo_spec
+
+        self.cfg, self.out = cfg, Path(out)
+        if cfg.device != "cpu" and not cfg.device.startswith("cuda"):
+            raise ConfigError(f"TrainConfig.device={cfg.device!r}: use cpu or cuda[:N]")
+        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"TrainConfig.device={cfg.device!r} but torch sees no CUDA device")
+        self.device = torch.device(cfg.device)
+        train_eps, val_eps = split_episodes(episodes, cfg.val_episodes)
+        chunk = cfg.resolved_chunk()
+        self.train_set = ChunkDataset(train_eps, chunk, cfg.frame_stride)
+        self.val_set = ChunkDataset(val_eps, chunk, cfg.frame_stride) if val_eps else None
+        self.stats: DataStats = compute_stats(train_eps)
+        instruction = self.train_set.instruction
+        state_dim = int(train_eps[0].states.shape[1])
+        name = cfg.name or f"{task or 'policy'}-{cfg.family}"
+        self.spec = demo_spec(
+            cfg.family, cfg.size, cameras=cfg.cameras, action_dim=int(train_eps[0].actions.shape[1]),
+            chunk_size=chunk, lm_type=cfg.lm_type, state_dim=state_dim, norm_stats=self.stats.to_norm_stats(),
+            name=name, default_instruction=instruction or None,
+        )  # fmt: skip
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        model = build_model(self.spec)
+        # The inference policy owns the layout; training runs its model in train mode.
+        self.policy = build_policy(self.spec, model, PolicyConfig(parity_check=False))
+        self.model = model.train().requires_grad_(True).to(self.device)
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+        other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.95),
+        )  # fmt: skip
+        self.steps_per_epoch = max(1, len(self.train_set) // cfg.batch_size)
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.step = 0
+        self.history: list[dict] = []
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out / CHECKPOINT_DIR
+
+    def save_checkpoint(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = self.out / (CHECKPOINT_DIR + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}, str(tmp / "model.safetensors"))
+        opt = self.opt.state_dict()
+        tensors, scalars = {}, {}
+        for pid, st in opt["state"].items():
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    tensors[f"{pid}.{k}"] = v.detach().cpu().contiguous()
+                else:
+                    scalars[f"{pid}.{k}"] = v
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        meta = {"step": self.step, "config": self.cfg.to_dict(), "scalars": scalars, "history": self.history,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]}  # fmt: skip
+        (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+        tmp.rename(self.checkpoint_dir)  # a crash mid-save leaves the previous checkpoint intact
+
+    def load_checkpoint(self) -> bool:
+        from safetensors.torch import load_file
+
+        d = self.checkpoint_dir
+        if not (d / "trainer.json").is_file():
+            return False
+        meta = json.loads((d / "trainer.json").read_text())
+        saved = TrainConfig.from_dict(meta["config"])
+        same = {k: v for k, v in saved.to_dict().items() if k not in ("epochs", "threads", "device", "checkpoint_every")}
+        mine = {k: v for k, v in self.cfg.to_dict().items() if k in same}
+        if same != mine:
+            diff = sorted(k for k in same if same[k] != mine[k])
+            raise ConfigError(f"{d}: the checkpoint was trained with other settings ({', '.join(diff)}); use a new --out")
+        self.model.load_state_dict(load_file(str(d / "model.safetensors")))
+        tensors = load_file(str(d / "optimizer.safetensors"))
+        state: dict[int, dict] = {}
+        for key, v in {**tensors, **meta["scalars"]}.items():
+            pid, name = key.split(".", 1)
+            state.setdefault(int(pid), {})[name] = torch.as_tensor(v) if name == "step" else v.to(self.device)
+        groups = self.opt.state_dict()["param_groups"]
+        for g, saved_g in zip(groups, meta["param_groups"]):
+            g.update({k: v for k, v in saved_g.items() if k != "params"})
+        self.opt.load_state_dict({"state": state, "param_groups": groups})
+        self.step = int(meta["step"])
+        self.history = list(meta["history"])
+        return True
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def _loss(self, batch, generator: torch.Generator):
+        dev = self.device
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            return self.policy.training_loss(
+                batch.pixels.to(dev), batch.states.to(dev), batch.instruction,
+                batch.actions.to(dev), batch.valid.to(dev), generator,
+            )  # fmt: skip
+
+    def train_step(self, batch, generator: torch.Generator, lr: float) -> dict[str, float]:
+        """One optimizer step on ``batch`` at learning rate ``lr``."""
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        loss, metrics = self._loss(batch, generator)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss at step {self.step}: {float(loss.detach())}")
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return metrics
+
+    def validate(self) -> float | None:
+        if self.val_set is None:
+            return None
+        self.model.eval()
+        total, n = 0.0, 0
+        with torch.no_grad():
+            for i, rows in enumerate(self.val_set.batches(self.cfg.batch_size)):
+                loss, _ = self._loss(self.val_set.batch(rows), _step_generator(self.cfg.seed + 1, i))
+                total += float(loss) * len(rows)
+                n += len(rows)
+        self.model.train()
+        return total / max(1, n)
+
+    def run(self, *, progress: bool = True) -> TrainResult:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        first_epoch = self.step // self.steps_per_epoch
+        log = open(self.out / LOG_FILE, "a")
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", file=sys.stderr,
+                   disable=not progress, dynamic_ncols=True, mininterval=2.0)  # fmt: skip
+        try:
+            for epoch in range(first_epoch, cfg.epochs):
+                order = self.train_set.epoch_order(cfg.seed, epoch)
+                losses: list[float] = []
+                for k in range(self.step - epoch * self.steps_per_epoch, self.steps_per_epoch):
+                    rows = order[k * cfg.batch_size : (k + 1) * cfg.batch_size]
+                    gen = _step_generator(cfg.seed, self.step)
+                    batch = self.train_set.batch(rows, shift=cfg.shift, generator=gen)
+                    metrics = self.train_step(batch, gen, lr_at(cfg, self.step, self.total_steps))
+                    losses.append(metrics["loss"])
+                    bar.update(1)
+                    bar.set_postfix(epoch=epoch + 1, loss=f"{np.mean(losses[-50:]):.4f}")
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save_checkpoint()
+                val = self.validate()
+                entry = {"epoch": epoch + 1, "step": self.step, "train_loss": float(np.mean(losses)) if losses else None,
+                         "val_loss": val, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+                self.history.append(entry)
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+                bar.write(f"epoch {epoch + 1}/{cfg.epochs}: train loss {entry['train_loss']:.4f}"
+                          + (f", val loss {val:.4f}" if val is not None else ""), file=sys.stderr)  # fmt: skip
+                self.save_checkpoint()
+        finally:
+            bar.close()
+            log.close()
+        return TrainResult(
+            bundle=self.out, steps=self.step, epochs=cfg.epochs, seconds=time.perf_counter() - t0,
+            train_samples=self.step * cfg.batch_size, val_loss=self.history[-1]["val_loss"] if self.history else None,
+            history=self.history,
+        )  # fmt: skip
+
+    def save_bundle(self) -> Path:
+        """The trained weights as an ordinary bundle in ``out`` (config.json + model.safetensors)."""
+        from vla_accel_ros.core.bundle import save_bundle
+
+        dtype = torch.float16 if self.cfg.save_dtype == "float16" else torch.float32
+        weights = {k: v.detach().to("cpu", dtype) for k, v in self.model.state_dict().items()}
+        return save_bundle(self.out, self.spec, weights)
