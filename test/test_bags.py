@@ -10,16 +10,13 @@ import pytest
 pytest.importorskip("rosbags", reason="requirements-sim.txt is not installed")
 
 from vla_accel_ros.core.errors import BagError, ConfigError  # noqa: E402
-from vla_accel_ros.io.bags import (  # noqa: E402
-    ACTION_NAMES,
-    ARM_JOINTS,
-    BagLayout,
-    BagReader,
-    BagWriter,
-    FrameRecorder,
-    SyncConfig,
-    image_to_rgb,
-)
+from vla_accel_ros.core.robot.topics import TopicLayout  # noqa: E402
+from vla_accel_ros.io.bag_file import ACTION_NAMES, ARM_JOINTS  # noqa: E402
+from vla_accel_ros.core.robot.config import SyncConfig  # noqa: E402
+from vla_accel_ros.io.bag_reader import BagReader  # noqa: E402
+from vla_accel_ros.io.bag_writer import BagWriter  # noqa: E402
+from vla_accel_ros.io.episodes import episodes, summary  # noqa: E402
+from vla_accel_ros.io.sim_recorder import FrameRecorder  # noqa: E402
 from vla_accel_ros.core.robot.config import RobotConfig
 from vla_accel_ros.core.robot.state import state_to_joint_states
 
@@ -85,10 +82,10 @@ def test_samples_follow_ticks_and_episodes(tmp_path: Path, sim_frames) -> None:
     bag = tmp_path / "run"
     _record(bag, sim_frames)
     with BagReader(bag) as r:
-        samples = list(r.samples(SyncConfig(trigger="cam_high")))
-        episodes = r.episodes()
-        text = r.summary()
-    assert len(samples) == 7 and r.skipped == {"incomplete": 0, "stale": 0}
+        samples = list(r.samples(SyncConfig()))
+        eps = episodes(r)
+        text = summary(r)
+    assert len(samples) == 7 and r.skipped == {"stale": 0, "skew": 0, "no_state": 0, "stale_state": 0}
     for k, (s, f) in enumerate(zip(samples, sim_frames, strict=True)):
         obs = s.observation
         assert obs.stamp_ns == START_NS + k * DT_NS
@@ -100,10 +97,10 @@ def test_samples_follow_ticks_and_episodes(tmp_path: Path, sim_frames) -> None:
         np.testing.assert_array_equal(s.action, f.action)
         arm = [i for i in range(14) if i not in (6, 13)]
         np.testing.assert_array_equal(s.qvel[arm], f.qvel[arm])
-    assert [(e.index, e.frames) for e in episodes] == [(0, 3), (1, 4)]
-    assert episodes[1].start_ns == START_NS + 3 * DT_NS
-    assert all(e.success is False for e in episodes)  # 3-4 ticks: nothing grasped yet
-    assert "Pick up the red cube" in episodes[0].instruction
+    assert [(e.index, e.frames) for e in eps] == [(0, 3), (1, 4)]
+    assert eps[1].start_ns == START_NS + 3 * DT_NS
+    assert all(e.success is False for e in eps)  # 3-4 ticks: nothing grasped yet
+    assert "Pick up the red cube" in eps[0].instruction
     assert "episodes:  2" in text and "/cam_high/camera/color/image_rect_raw" in text
 
 
@@ -111,7 +108,7 @@ def _joint(w: BagWriter, topic: str, stamp: int, value: float) -> None:
     w.write_joint_state(topic, stamp, ARM_JOINTS + ("left_finger",), np.full(8, value))
 
 
-def test_sync_latest_at_or_before_trigger(tmp_path: Path) -> None:
+def test_state_is_the_latest_at_or_before_the_frame(tmp_path: Path) -> None:
     """Robot-like streams: camera at 25 Hz, joint states at 100 Hz with their own phase."""
     bag = tmp_path / "robot"
     ms = 1_000_000
@@ -127,10 +124,10 @@ def test_sync_latest_at_or_before_trigger(tmp_path: Path) -> None:
         # Joint states stop after 393 ms: a late frame sees them 207 ms old.
         w.write_image(HIGH, 600 * ms, np.full((H, W, 3), 99, np.uint8))
     with BagReader(bag) as r:
-        samples = list(r.samples(SyncConfig(max_skew_s=0.1)))
+        samples = list(r.samples(SyncConfig(max_state_age_ms=100)))
         skipped = dict(r.skipped)
-    # Frame 0 at t=0 comes before any joint state: skipped as incomplete; frame at 600 ms: stale.
-    assert skipped == {"incomplete": 1, "stale": 1}
+    # Frame 0 at t=0 comes before any joint state: no state; the frame at 600 ms: a stale state.
+    assert skipped == {"stale": 0, "skew": 0, "no_state": 1, "stale_state": 1}
     assert [s.observation.stamp_ns // ms for s in samples] == [40 * i for i in range(1, 10)]
     for s in samples:
         t = s.observation.stamp_ns // ms
@@ -157,52 +154,66 @@ def test_episode_marker_forgets_previous_state(tmp_path: Path) -> None:
         w.write_image(HIGH, 200, np.zeros((H, W, 3), np.uint8))
     with BagReader(bag) as r:
         samples = list(r.samples())
-        assert r.skipped["incomplete"] == 1
+        assert r.skipped["no_state"] == 1
     assert [(s.observation.episode, float(s.observation.state[0])) for s in samples] == [(0, 1.0), (1, 2.0)]
 
 
-def test_image_step_padding_and_encodings(tmp_path: Path) -> None:
-    """Images from other recorders: padded rows (step > width * channels), bgr8, mono8."""
+def _foreign_bag(path: Path, images: dict[str, dict]) -> Path:
+    """A bag written by another recorder: one sensor_msgs/Image per topic at t=10 with the given
+    fields (height, width, encoding, step, data)."""
     from rosbags.rosbag2 import StoragePlugin, Writer
     from rosbags.typesys import Stores, get_typestore
 
     ts = get_typestore(Stores.ROS2_JAZZY)
+    t = ts.types
+    header = t["std_msgs/msg/Header"](stamp=t["builtin_interfaces/msg/Time"](sec=0, nanosec=0), frame_id="")
+    image = t["sensor_msgs/msg/Image"]
+    with Writer(path, version=9, storage_plugin=StoragePlugin.MCAP) as w:
+        for topic, fields in images.items():
+            c = w.add_connection(topic, image.__msgtype__, typestore=ts)
+            w.write(c, 10, ts.serialize_cdr(image(header=header, is_bigendian=0, **fields), image.__msgtype__))
+    return path
+
+
+def test_image_step_padding_and_encodings(tmp_path: Path) -> None:
+    """Images from other recorders: padded rows (step > width * channels), bgr8, mono8."""
     rgb = np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8)
     step = 7 * 3 + 5  # 5 bytes of padding per row
     padded = np.zeros((5, step), np.uint8)
     padded[:, : 7 * 3] = rgb[:, :, ::-1].reshape(5, -1)  # bgr8
     gray = rgb[:, :, 0]
-    t = ts.types
-    header = t["std_msgs/msg/Header"](stamp=t["builtin_interfaces/msg/Time"](sec=0, nanosec=0), frame_id="")
-    image = t["sensor_msgs/msg/Image"]
-    bag = tmp_path / "foreign"
-    with Writer(bag, version=9, storage_plugin=StoragePlugin.MCAP) as w:
-        c1 = w.add_connection("/a/camera/color/image_rect_raw", image.__msgtype__, typestore=ts)
-        c2 = w.add_connection("/b/camera/color/image_rect_raw", image.__msgtype__, typestore=ts)
-        m1 = image(
-            header=header,
-            height=5,
-            width=7,
-            encoding="bgr8",
-            is_bigendian=0,
-            step=step,
-            data=padded.reshape(-1),
-        )
-        m2 = image(
-            header=header, height=5, width=7, encoding="mono8", is_bigendian=0, step=7, data=gray.reshape(-1)
-        )
-        w.write(c1, 10, ts.serialize_cdr(m1, image.__msgtype__))
-        w.write(c2, 10, ts.serialize_cdr(m2, image.__msgtype__))
+    bag = _foreign_bag(tmp_path / "foreign", {
+        "/a/camera/color/image_rect_raw": dict(height=5, width=7, encoding="bgr8", step=step, data=padded.reshape(-1)),
+        "/b/camera/color/image_rect_raw": dict(height=5, width=7, encoding="mono8", step=7, data=gray.reshape(-1)),
+    })  # fmt: skip
     with BagReader(bag) as r:
         assert set(r.cameras()) == {"a", "b"}
         (s,) = list(r.samples())
     np.testing.assert_array_equal(s.observation.images["a"], rgb)
     np.testing.assert_array_equal(s.observation.images["b"], np.repeat(gray[:, :, None], 3, axis=2))
     assert s.observation.state is None  # no joint states in this bag
-    with pytest.raises(BagError, match="encoding"):
-        image_to_rgb(5, 7, "32FC1", 28, np.zeros(140, np.uint8))
-    with pytest.raises(BagError, match="does not fit"):
-        image_to_rgb(5, 7, "rgb8", 21, np.zeros(50, np.uint8))
+
+
+@pytest.mark.parametrize(
+    "fields, reason",
+    [
+        (dict(encoding="rgb8", step=26, data=np.zeros(26 * 4 + 21, np.uint8)), "size_mismatch"),  # last row unpadded
+        (dict(encoding="rgb8", step=21, data=np.zeros(21 * 5 + 3, np.uint8)), "size_mismatch"),  # trailing bytes
+        (dict(encoding="rgb8", step=20, data=np.zeros(20 * 5, np.uint8)), "bad_step"),
+        (dict(encoding="32FC1", step=28, data=np.zeros(140, np.uint8)), "unknown_encoding"),
+    ],
+)
+def test_bag_images_follow_the_camera_node_rule(tmp_path: Path, fields: dict, reason: str) -> None:
+    """A frame the camera node would drop (decode_raw raises) is a BagError in a bag, for the same reason."""
+    from vla_accel_ros.core.robot.images import ImageError, decode_raw
+
+    with pytest.raises(ImageError) as live:
+        decode_raw(fields["encoding"], 5, 7, fields["step"], False, fields["data"])
+    assert live.value.reason == reason
+    bag = _foreign_bag(tmp_path / "bad", {HIGH: dict(height=5, width=7, **fields)})
+    with BagReader(bag) as r:
+        with pytest.raises(BagError, match=f"{HIGH}: {reason}"):
+            list(r.messages())
 
 
 def test_malformed_input_raises_bag_error(tmp_path: Path) -> None:
@@ -243,7 +254,7 @@ def test_malformed_input_raises_bag_error(tmp_path: Path) -> None:
         with pytest.raises(BagError, match="lacks joint"):
             list(r.samples())
         with pytest.raises(BagError, match="no camera"):
-            list(r.samples(SyncConfig(trigger="cam_low")))
+            list(r.samples(SyncConfig(cameras=("cam_low",))))
         with pytest.raises(BagError, match="no topic"):
             list(r.messages(["/nope"]))
 
@@ -263,13 +274,13 @@ def test_corrupt_message_bytes(tmp_path: Path) -> None:
 
 
 def test_layout_validation() -> None:
-    assert BagLayout().image_topic(BagLayout().ros_camera("top")) == HIGH
-    assert BagLayout().camera_of_topic("/cam_low/camera/color/image_rect_raw") == "cam_low"
-    assert BagLayout().camera_of_topic("/usb_cam/image_raw") == "/usb_cam/image_raw"
+    assert TopicLayout().image_topic(TopicLayout().ros_camera("top")) == HIGH
+    assert TopicLayout().camera_of_topic("/cam_low/camera/color/image_rect_raw") == "cam_low"
+    assert TopicLayout().camera_of_topic("/usb_cam/image_raw") == "/usb_cam/image_raw"
     with pytest.raises(ConfigError):
-        BagLayout(camera_topic="/camera/image_raw")
+        TopicLayout(camera_topic="/camera/image_raw")
     with pytest.raises(ConfigError):
-        BagLayout(camera_names=("top",))
+        TopicLayout(camera_names=("top",))
 
 
 def test_cli_record_and_inspect(tmp_path: Path, capsys) -> None:

@@ -170,7 +170,7 @@ def test_flops_formula() -> None:
 def _bag_without(tmp_path: Path, *, camera: str, joints: bool) -> Path:
     from vla_accel_ros.core.robot.config import RobotConfig
     from vla_accel_ros.core.robot.state import state_to_joint_states
-    from vla_accel_ros.io.bags import BagWriter
+    from vla_accel_ros.io.bag_writer import BagWriter
 
     robot = RobotConfig()
     path = tmp_path / f"bag_{camera}_{joints}"

@@ -90,3 +90,72 @@ def test_shared_channels_are_per_owner():
     assert SharedChannels.get(a, "obs") is not SharedChannels.get(b, "obs")
     SharedChannels.drop(a)
     SharedChannels.drop(b)
+
+
+# -- the state half and the whole rule --------------------------------------------------------------
+def _gate(max_state_age_ms=100):
+    from vla_accel_ros.core.robot.config import RobotConfig
+    from vla_accel_ros.core.robot.observation import StateGate
+
+    robot = RobotConfig(joint_names=("a_x", "b_x"), arms=("a", "b"), joint_state_topics=("/a", "/b"),
+                        joint_state_prefixes=("a_", "b_"), grippers=())  # fmt: skip
+    return robot, StateGate(robot, max_state_age_ns=max_state_age_ms * MS)
+
+
+def test_state_gate_attaches_the_state_or_says_why_not():
+    _, gate = _gate(max_state_age_ms=100)
+    gate.update(0, ["x"], [1.0], 1000 * MS)
+    assert gate.state_for(1010 * MS) is None and gate.last_reason == "no_state" and "b_x" in gate.last_reject
+    gate.update(1, ["x"], [2.0], 1005 * MS)
+    np.testing.assert_array_equal(gate.state_for(1050 * MS), [1.0, 2.0])
+    assert gate.last_reason == ""
+    assert gate.state_for(1101 * MS) is None and gate.last_reason == "stale_state"  # the oldest reading counts
+    assert gate.rejects == {"no_state": 1, "stale_state": 1}
+    gate.set_limit(max_state_age_ns=200 * MS)
+    assert gate.state_for(1101 * MS) is not None
+
+
+def test_builder_runs_both_halves_and_episodes_reset_it():
+    from vla_accel_ros.core.robot.config import SyncConfig
+    from vla_accel_ros.core.robot.observation import ObservationBuilder
+
+    robot, _ = _gate()
+    b = ObservationBuilder(("a", "b"), SyncConfig(max_state_age_ms=100, image_size=2), robot)
+    b.begin_episode(3)
+    b.set_instruction("stack")
+    b.joint_state(0, ["x"], [1.0], 1000 * MS)
+    b.joint_state(1, ["x"], [2.0], 1000 * MS)
+    assert b.frame("a", IMG, 1000 * MS, 1000 * MS) is None  # b has no frame yet
+    obs = b.frame("b", IMG, 1010 * MS, 1010 * MS)
+    assert obs.stamp_ns == 1000 * MS and obs.episode == 3 and obs.instruction == "stack"
+    assert obs.images["a"].shape == (2, 2, 3)  # resized by the rule's image_size
+    np.testing.assert_array_equal(obs.state, [1.0, 2.0])
+    b.begin_episode(4)  # nothing from episode 3 is used in episode 4
+    assert b.instruction == "" and b.frame("a", IMG, 1020 * MS, 1020 * MS) is None
+    assert b.frame("b", IMG, 1020 * MS, 1020 * MS) is None and b.rejects["no_state"] == 1
+    assert b.rejects == {"stale": 0, "skew": 0, "no_state": 1, "stale_state": 0}
+
+
+def test_a_clock_that_jumps_back_starts_over():
+    asm = make()
+    asm.add("a", IMG, 1000 * MS, 1000 * MS)
+    asm.add("a", IMG, 10 * MS, 10 * MS)  # sim time restarted: the frame of 1000 ms is forgotten
+    assert asm.add("b", IMG, 11 * MS, 11 * MS).stamp_ns == 10 * MS
+
+
+def test_one_resize_for_every_path():
+    """The camera node's prepare, the policy's preprocessing and resize_rgb give the same pixels."""
+    from vla_accel_ros.core.robot.images import ImageError, resize_rgb
+    from vla_accel_ros.models.common import resize_uint8
+
+    frame = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    asm = ObservationAssembler(("a",), max_age_ns=MS, max_skew_ns=MS, image_size=16)
+    live = asm.prepare(frame)
+    assert live.shape == (16, 16, 3) and live.dtype == np.uint8
+    np.testing.assert_array_equal(live, resize_rgb(frame, 16))
+    np.testing.assert_array_equal(live, resize_uint8(frame, 16).numpy())
+    assert resize_rgb(live, 16) is live  # at size: untouched
+    with pytest.raises(ImageError):
+        asm.prepare(np.zeros((0, 4, 3), np.uint8))
+    with pytest.raises(ImageError):
+        resize_rgb(frame.astype(np.float32), 16)

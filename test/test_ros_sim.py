@@ -25,7 +25,7 @@ import yaml
 
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.robot.config import RobotConfig
-from vla_accel_ros.core.robot.recording import ReorderBuffer, header_stamp_ns
+from vla_accel_ros.io.recording import ReorderBuffer, header_stamp_ns
 from vla_accel_ros.core.robot.state import StateAssembler, to_robot_units
 from vla_accel_ros.sim.live import DT_NS, LatencyTracker, Pacer, render_every
 from vla_accel_ros.sim.robot_io import CommandDecoder, CommandError, joint_state_messages
@@ -321,7 +321,7 @@ def test_sim_node_follows_the_controllers_command_backend(sim_graph, backend):
 def test_bringup_sim_closes_the_loop_and_record_writes_a_replayable_bag(tmp_path, tiny_bundles, ros_params_file):
     pytest.importorskip("rclpy")
     pytest.importorskip("gym_aloha")
-    from vla_accel_ros.io.bags import BagReader
+    from vla_accel_ros.io.bag_reader import BagReader
 
     params = yaml.safe_load(ros_params_file.read_text())
     params["aloha_sim_node"]["ros__parameters"].update(height=120, width=160, camera_rate_hz=25.0)

@@ -10,7 +10,7 @@ on a given frame (seeded by the frame index), so their deviation measures the mo
 sampler. Latency is the ActionChunk's ``timings_ms["total"]``: observation in to actions out,
 preprocessing and token selection included; bag decoding is outside it.
 
-Nothing here imports rclpy: bags are read through ``vla_accel_ros.io.bags``.
+Nothing here imports rclpy: bags are read through ``vla_accel_ros.io.bag_reader``.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ class ReplayConfig:
     num_threads: int = 0  # torch threads (0: torch's default)
     flow_steps: int = 0  # flow: Euler steps (0: the bundle's)
     cache_overrides: dict[str, Any] = field(default_factory=dict)  # CacheConfig fields for every cache mode
-    max_skew_s: float = 0.1
-    trigger: str = ""  # camera whose frames make observations (empty: the bundle's first)
+    # The observation rule's limits (SyncConfig fields; default: the camera and policy nodes').
+    sync_overrides: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.warmup < 0:
@@ -99,9 +99,9 @@ class ReplayConfig:
 # ------------------------------------------------------------------------------ inputs
 
 
-def inspect_bag(path: Path, spec, trigger: str) -> dict[str, Any]:
+def inspect_bag(path: Path, spec) -> dict[str, Any]:
     """Check that the bag can feed this bundle before any weights load; return its metadata."""
-    from vla_accel_ros.io.bags import BagReader
+    from vla_accel_ros.io.bag_reader import BagReader
 
     with BagReader(path) as bag:
         cams = bag.cameras()
@@ -111,8 +111,6 @@ def inspect_bag(path: Path, spec, trigger: str) -> dict[str, Any]:
                 f"bag {path} has no camera(s) {', '.join(missing)} that bundle {spec.name} needs; "
                 f"it has {', '.join(sorted(cams)) or 'none'}"
             )
-        if trigger and trigger not in cams:
-            raise BagError(f"bag {path} has no trigger camera {trigger!r}; it has {', '.join(sorted(cams))}")
         topics = bag.topics
         wanted = bag.robot.joint_state_topics  # the reader assembles the state from these
         if spec.state_dim and not all(t in topics for t in wanted):
@@ -122,12 +120,10 @@ def inspect_bag(path: Path, spec, trigger: str) -> dict[str, Any]:
             )
         if spec.state_dim and spec.state_dim != bag.robot.dim:
             raise BagError(f"bag {path} yields {bag.robot.dim}-D states; bundle {spec.name} expects {spec.state_dim}-D")
-        trig = trigger or spec.cameras[0]
         return {
             "path": str(path),
             "cameras": sorted(cams),
-            "trigger": trig,
-            "trigger_messages": topics[cams[trig]].count,
+            "frames": min(topics[cams[c]].count for c in spec.cameras),  # observations at most
             "duration_s": bag.duration_ns / 1e9,
             "messages": bag.message_count,
         }
@@ -203,7 +199,8 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
     from tqdm import tqdm
 
     from vla_accel_ros.core.bundle import load_bundle, read_spec
-    from vla_accel_ros.io.bags import BagReader, SyncConfig
+    from vla_accel_ros.core.robot.config import SyncConfig
+    from vla_accel_ros.io.bag_reader import BagReader
 
     cfg.validate()
     names = parse_modes(list(cfg.modes))
@@ -211,7 +208,8 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
     if not bag_path.exists():
         raise BagError(f"bag {bag_path} does not exist")
     spec = read_spec(bundle_path)  # BundleError when it is not a bundle; cheap, before the bag
-    bag_info = inspect_bag(bag_path, spec, cfg.trigger)
+    sync = SyncConfig.from_dict({**cfg.sync_overrides, "cameras": tuple(spec.cameras)})  # ConfigError before weights load
+    bag_info = inspect_bag(bag_path, spec)
     runs = build_runs(load_bundle(bundle_path), names, cfg)
     for r in runs:
         r.policy.reset()  # forget the parity gate's frames
@@ -223,11 +221,10 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
     episodes: dict[int, dict[str, Any]] = {}
     processed = 0
     prev_episode: int | None = None
-    expected = bag_info["trigger_messages"]
+    expected = bag_info["frames"]
     if cfg.max_frames:
         expected = min(expected, cfg.warmup + cfg.max_frames)
     bar = tqdm(total=expected, disable=not progress, unit="frame", desc="replay", dynamic_ncols=True, file=sys.stderr)
-    sync = SyncConfig(trigger=bag_info["trigger"], cameras=tuple(spec.cameras), max_skew_s=cfg.max_skew_s)
     with BagReader(bag_path) as bag, bar:
         for sample in bag.samples(sync):
             obs = sample.observation

@@ -167,9 +167,9 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         result["command"] or "(called from Python)",
         "```",
         "",
-        f"- bag: `{bag['path']}`: {bag['observations']} observations on `{bag['trigger']}` "
+        f"- bag: `{bag['path']}`: {bag['observations']} observations "
         f"(cameras {', '.join(bag['cameras'])}), {bag['duration_s']:.2f} s, episodes {eps}; "
-        f"skipped {bag['skipped']}",
+        f"not made {bag['skipped']}",
         f"- bundle: `{b['path']}`: {b['name']} ({fam}), {b['parameters_m']} M parameters, cameras "
         f"{', '.join(b['cameras'])} at {b['image_size']} px ({b['grid']}x{b['grid']} tokens), chunk "
         f"{b['chunk_size']} x {b['action_dim']}" + (f", {b['flow_steps']} Euler steps" if fam == "flow" else ""),

@@ -14,9 +14,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from vla_accel_ros.io.bags import BagReader, bag_size_bytes
+    from vla_accel_ros.io.bag_file import bag_size_bytes
+    from vla_accel_ros.io.bag_reader import BagReader
+    from vla_accel_ros.io.episodes import summary
 
     with BagReader(args.path) as bag:
-        print(bag.summary())
+        print(summary(bag))
     print(f"size:      {bag_size_bytes(args.path) / 2**20:.1f} MiB")
     return 0

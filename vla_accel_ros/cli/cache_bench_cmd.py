@@ -32,14 +32,14 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cache)
 
 
-def parse_overrides(items: list[str]) -> dict:
+def parse_overrides(items: list[str], flag: str = "--cache") -> dict:
     """``FIELD=VALUE`` strings -> a dict; values are JSON when they parse (numbers, lists,
-    booleans), plain strings otherwise. CacheConfig validates them."""
+    booleans), plain strings otherwise. The config they go to validates them."""
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--cache expects FIELD=VALUE, got {item!r}")
+            raise ConfigError(f"{flag} expects FIELD=VALUE, got {item!r}")
         try:
             out[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:

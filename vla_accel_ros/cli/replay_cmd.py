@@ -33,8 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--cache", action="append", default=[], metavar="FIELD=VALUE",
         help="override a CacheConfig field in every cache mode (repeatable), e.g. --cache sim_threshold=0.99",
     )  # fmt: skip
-    p.add_argument("--trigger", default="", help="camera whose frames make observations (default: the bundle's first)")
-    p.add_argument("--max-skew", type=float, default=0.1, help="seconds a camera or joint state may lag the trigger")
+    p.add_argument(
+        "--sync", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a limit of the observation rule (SyncConfig: max_age_ms, max_skew_ms, max_state_age_ms, "
+        "image_size; default: the camera and policy nodes' values), e.g. --sync max_skew_ms=100",
+    )  # fmt: skip
     p.add_argument("--no-parity", action="store_true", help="skip the parity gate of the engine modes")
     p.add_argument("--no-plots", action="store_true", help="write report.json and report.md only")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stdout is not a terminal)")
@@ -47,12 +50,12 @@ def command_line(args: argparse.Namespace) -> str:
             "--report", str(args.report), "--warmup", str(args.warmup), "--seed", str(args.seed)]  # fmt: skip
     for flag, value, default in (
         ("--max-frames", args.max_frames, 0), ("--threads", args.threads, 0), ("--flow-steps", args.flow_steps, 0),
-        ("--trigger", args.trigger, ""), ("--max-skew", args.max_skew, 0.1),
     ):  # fmt: skip
         if value != default:
             argv += [flag, str(value)]
-    for item in args.cache:
-        argv += ["--cache", item]
+    for flag, items in (("--cache", args.cache), ("--sync", args.sync)):
+        for item in items:
+            argv += [flag, item]
     argv += [f for f, on in (("--no-parity", args.no_parity), ("--no-plots", args.no_plots)) if on]
     return shlex.join(argv)
 
@@ -65,8 +68,8 @@ def _replay(args: argparse.Namespace) -> int:
     cfg = ReplayConfig(
         bag=Path(args.bag), bundle=Path(args.bundle), modes=tuple(parse_modes(args.modes)), warmup=args.warmup,
         max_frames=args.max_frames, seed=args.seed, parity_check=not args.no_parity, num_threads=args.threads,
-        flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache), max_skew_s=args.max_skew,
-        trigger=args.trigger,
+        flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
+        sync_overrides=parse_overrides(args.sync, "--sync"),
     )  # fmt: skip
     progress = not args.no_progress and sys.stdout.isatty()
     result = run_replay(cfg, progress=progress, command=command_line(args))

@@ -65,7 +65,9 @@ class _Progress:
 
 def _record(args: argparse.Namespace) -> int:
     from vla_accel_ros.core.errors import ConfigError
-    from vla_accel_ros.io.bags import BagWriter, FrameRecorder, bag_size_bytes
+    from vla_accel_ros.io.bag_file import bag_size_bytes
+    from vla_accel_ros.io.bag_writer import BagWriter
+    from vla_accel_ros.io.sim_recorder import FrameRecorder
     from vla_accel_ros.sim import SimConfig, scripted_frames
 
     cameras = tuple(c.strip() for c in args.cameras.split(",") if c.strip())

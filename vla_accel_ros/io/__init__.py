@@ -1,37 +1,12 @@
-"""File formats without ROS: rosbag2 bags (MCAP, sqlite3) through ``rosbags``."""
+"""File formats without ROS: rosbag2 bags (MCAP, sqlite3) through ``rosbags``, one module per job.
 
-from vla_accel_ros.io.bags import (
-    ACTION_NAMES,
-    ARM_JOINTS,
-    STORAGES,
-    BagLayout,
-    BagMessage,
-    BagReader,
-    BagSample,
-    BagWriter,
-    EpisodeSummary,
-    FrameRecorder,
-    JointStateMsg,
-    SyncConfig,
-    TopicSummary,
-    bag_size_bytes,
-    image_to_rgb,
-)
+Modules:
+    ``bag_file``      storages, message type names, the typestore, open/close shared by both sides
+    ``bag_writer``    :class:`BagWriter`: images, joint states, strings, ... into a new bag
+    ``bag_reader``    :class:`BagReader`: metadata, decoded messages, synchronized samples
+    ``sim_recorder``  :class:`FrameRecorder`: simulator frames in the ALOHA topic layout
+    ``episodes``      per-episode summaries and the text of ``vla-accel bag inspect``
+    ``recording``     a live graph's serialized messages into a bag (the ROS-free half of the recorder)
 
-__all__ = [
-    "ACTION_NAMES",
-    "ARM_JOINTS",
-    "STORAGES",
-    "BagLayout",
-    "BagMessage",
-    "BagReader",
-    "BagSample",
-    "BagWriter",
-    "EpisodeSummary",
-    "FrameRecorder",
-    "JointStateMsg",
-    "SyncConfig",
-    "TopicSummary",
-    "bag_size_bytes",
-    "image_to_rgb",
-]
+The topic conventions themselves live in :mod:`vla_accel_ros.core.robot.topics`.
+"""

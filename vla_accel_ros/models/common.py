@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vla_accel_ros.core.errors import BundleError, ObservationError
+from vla_accel_ros.core.robot.images import resize_rgb
 
 # Language models the engine can drive, by the ``model_type`` a bundle names.
 _LM_TYPES = ("llama", "qwen2")
@@ -132,15 +133,9 @@ class Frames:
 
 
 def resize_uint8(image: np.ndarray, size: int) -> torch.Tensor:
-    """[H, W, 3] uint8 -> [size, size, 3] uint8 (antialiased bilinear; no-op at size)."""
-    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-        raise ObservationError(f"image must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
-    t = torch.from_numpy(np.ascontiguousarray(image))
-    if image.shape[0] == size and image.shape[1] == size:
-        return t
-    x = t.permute(2, 0, 1)[None].float()  # [1, 3, H, W]
-    x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    return x[0].permute(1, 2, 0).round_().clamp_(0, 255).to(torch.uint8)
+    """[H, W, 3] uint8 -> [size, size, 3] uint8 tensor through the package's one resize
+    (:func:`~vla_accel_ros.core.robot.images.resize_rgb`; no-op at size)."""
+    return torch.from_numpy(np.ascontiguousarray(resize_rgb(image, size)))
 
 
 def preprocess_frames(images: Mapping[str, np.ndarray], cameras: tuple[str, ...], size: int) -> Frames:

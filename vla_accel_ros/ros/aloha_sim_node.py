@@ -53,7 +53,7 @@ from trajectory_msgs.msg import JointTrajectory
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.robot.config import CommandConfig, RobotConfig
-from vla_accel_ros.io.bags import BagLayout
+from vla_accel_ros.core.robot.topics import TopicLayout
 from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest
 from vla_accel_ros.ros import graph, qos
@@ -136,7 +136,7 @@ class AlohaSimNode(Node):
         self.params = ConfigParameters(self, AlohaSimNodeConfig, read_only=())
         cfg: AlohaSimNodeConfig = self.params.config
         self.cfg = cfg
-        self.layout = BagLayout()
+        self.layout = TopicLayout()
         self.decoder = CommandDecoder(cfg.robot)  # ConfigError: a robot the sim does not have
         self.drops = DropCounter(self, "command", 2.0)
         wall = Clock(clock_type=ClockType.STEADY_TIME)  # paused sim time must not stop these timers

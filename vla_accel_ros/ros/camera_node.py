@@ -2,8 +2,10 @@
 
 Subscribes ``cameras[i]`` on ``topics[i]`` (``sensor_msgs/Image`` or ``CompressedImage`` per
 ``transports``) with sensor-data QoS, converts each frame (cv_bridge when installed, else the
-NumPy converter), resizes it to ``image_size`` and keeps the latest per camera. When every
-camera has a new frame within ``max_age_ms`` / ``max_skew_ms``, the observation goes to the
+NumPy converter) and hands it to the image half of the one observation rule
+(:class:`~vla_accel_ros.core.robot.observation.ObservationAssembler`: resized to ``image_size``,
+latest per camera). When every camera has a new frame within ``max_age_ms`` / ``max_skew_ms``,
+the observation goes to the
 policy: on the ``observation`` topic, or straight into the shared latest-only buffer when both
 nodes run in one process (``observation_transport: shared``). Frames that cannot be used are
 dropped with a throttled warning and counted in ``/diagnostics``; the node keeps running.
@@ -37,20 +39,14 @@ class CameraNode(Node):
         cfg: CameraConfig = self.params.config
         self.converter = ImageConverter(cfg.converter)
         self.assembler = ObservationAssembler(
-            cfg.cameras, max_age_ns=int(cfg.max_age_ms * 1e6), max_skew_ns=int(cfg.max_skew_ms * 1e6)
-        )
+            cfg.cameras, max_age_ns=int(cfg.max_age_ms * 1e6), max_skew_ns=int(cfg.max_skew_ms * 1e6),
+            image_size=cfg.image_size,
+        )  # fmt: skip
         self._lock = threading.Lock()  # the assembler
         self.drops = DropCounter(self, "camera frame", cfg.warn_throttle_s)
         self.frames: Counter[str] = Counter()
         self.observations = 0
         self._unstamped_warned = False
-        self._last_now = 0
-        if cfg.image_size:
-            from vla_accel_ros.models.common import resize_uint8  # noqa: PLC0415 - torch; the policy's resize
-
-            self._resize = lambda img: resize_uint8(img, cfg.image_size).numpy()
-        else:
-            self._resize = lambda img: img
 
         frames_group = ReentrantCallbackGroup()  # decode + resize in parallel; assembly locks
         self._subs = []
@@ -89,9 +85,7 @@ class CameraNode(Node):
         now = self.get_clock().now().nanoseconds
         try:
             rgb = self.converter.compressed(msg) if compressed else self.converter.raw(msg)
-            if rgb.shape[0] == 0 or rgb.shape[1] == 0:
-                raise ImageError("empty", "decoded to an empty image")
-            rgb = self._resize(rgb)
+            rgb = self.assembler.prepare(rgb)  # the policy's size; outside the lock (parallel)
         except ImageError as e:
             self.drops.drop(e.reason, f"{camera}: {e}")
             return
@@ -102,12 +96,8 @@ class CameraNode(Node):
                 self._unstamped_warned = True
                 self.get_logger().warning(f"{camera}: frames carry no header stamp; using arrival time")
         with self._lock:
-            if now < self._last_now:  # the clock jumped back (sim time reset): start over
-                self.assembler.reset()
-            self._last_now = now
             self.frames[camera] += 1
-            self.assembler.put(camera, rgb, stamp)
-            obs = self.assembler.assemble(now)
+            obs = self.assembler.add(camera, rgb, stamp, now)  # a clock that jumped back starts over
             if obs is not None:
                 self.observations += 1
         if obs is not None:

@@ -15,6 +15,7 @@ from rclpy.callback_groups import CallbackGroup
 from rclpy.node import Node
 from sensor_msgs.msg import JointState
 
+from vla_accel_ros.core.robot.observation import StateGate
 from vla_accel_ros.core.robot.state import StateAssembler
 from vla_accel_ros.ros import qos
 from vla_accel_ros.ros.conversions import header, stamp_to_ns
@@ -33,7 +34,7 @@ def prefer_responsive_threads() -> None:
 
 
 def subscribe_joint_states(
-    node: Node, topics: Sequence[str], state: StateAssembler, lock: threading.Lock, group: CallbackGroup
+    node: Node, topics: Sequence[str], state: StateAssembler | StateGate, lock: threading.Lock, group: CallbackGroup
 ) -> None:
     """Feed ``state`` from the robot's JointState topics (message stamp, else receive time)."""
 

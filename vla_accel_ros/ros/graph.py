@@ -273,21 +273,21 @@ def describe(
 
 def _aloha_image_topic(camera: str) -> str:
     """The ALOHA topic of a camera, as the simulator and bags name it."""
-    from vla_accel_ros.io.bags import BagLayout  # noqa: PLC0415 - numpy only; rosbags loads on use
+    from vla_accel_ros.core.robot.topics import image_topic  # noqa: PLC0415
 
-    return BagLayout().image_topic(camera)
+    return image_topic(camera)
 
 
 def record_topics(camera_topics: list[str], controller: Mapping[str, Any]) -> tuple[str, ...]:
     """What a recording of the graph holds, relative names under the namespace: the graph's
     own topics, the cameras and joint states, the command topic, and the rest of the layout
     ``vla-accel sim record`` writes, so ``vla-accel replay`` reads a live recording too."""
-    from vla_accel_ros.io.bags import BagLayout  # noqa: PLC0415 - numpy only; rosbags loads on use
+    from vla_accel_ros.core.robot.topics import TopicLayout  # noqa: PLC0415
 
-    lay = BagLayout()
+    lay = TopicLayout()
     out = [OBSERVATION_STAMP, CHUNK_REQUEST, ACTION_CHUNK, INFERENCE_STATS, MOTION_STATE, INSTRUCTION, ESTOP, DIAGNOSTICS]
     out += list(camera_topics)
-    out += list(controller.get("robot.joint_state_topics", [lay.left_joint_states, lay.right_joint_states]))
+    out += list(controller.get("robot.joint_state_topics", list(lay.joint_state_topics)))
     out.append(str(controller.get("command.topic", "joint_commands")))
     out += [lay.action_topic, lay.episode_topic, lay.instruction_topic, lay.success_topic]
     return tuple(dict.fromkeys(out))
@@ -305,10 +305,10 @@ def _sim_parameters(
     ``sim record`` layout: cam_high <- top, ...), the controller's command backend and topic,
     no instruction of its own when the policy's section sets one. Returns (overrides,
     whether it publishes /clock)."""
-    from vla_accel_ros.io.bags import BagLayout  # noqa: PLC0415
+    from vla_accel_ros.core.robot.topics import TopicLayout  # noqa: PLC0415
     from vla_accel_ros.sim.aloha import CAMERA_NAMES  # noqa: PLC0415 - no dm_control at import
 
-    lay = BagLayout()
+    lay = TopicLayout()
     scene = {lay.ros_camera(c): c for c in CAMERA_NAMES}  # ROS camera name -> scene camera
     sim_cams, sim_topics = [], []
     for cam, topic in zip(cameras, topics):

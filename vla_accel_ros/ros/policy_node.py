@@ -35,8 +35,13 @@ from vla_accel_ros.core.errors import VlaAccelError
 from vla_accel_ros.core.robot.loop_stats import Percentiles
 from vla_accel_ros.core.robot.config import PolicyNodeConfig
 from vla_accel_ros.core.robot.motion import COARSE, MODE_NAMES
-from vla_accel_ros.core.robot.observation import AssembledObservation, LatestSlot, ObservationChannel, SharedChannels
-from vla_accel_ros.core.robot.state import StateAssembler
+from vla_accel_ros.core.robot.observation import (
+    AssembledObservation,
+    LatestSlot,
+    ObservationChannel,
+    SharedChannels,
+    StateGate,
+)
 from vla_accel_ros.core.types import ChunkGuidance, Observation
 from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest, InferenceStats, MotionState
@@ -80,7 +85,7 @@ class PolicyNode(Node):
         cfg: PolicyNodeConfig = self.params.config
         self._cfg = cfg  # the config the worker runs with (swapped between inferences)
         self._lock = threading.Lock()
-        self.state = StateAssembler(cfg.robot)
+        self.state = StateGate(cfg.robot, max_state_age_ns=int(cfg.max_state_age_ms * 1e6))  # the rule's state half
         self.channel = (
             SharedChannels.get(self.context, cfg.shared_channel)
             if cfg.observation_transport == "shared"
@@ -267,6 +272,8 @@ class PolicyNode(Node):
         new = self.params.take_pending()
         if new is not None:
             old, self._cfg = self._cfg, new
+            with self._lock:
+                self.state.set_limit(max_state_age_ns=int(new.max_state_age_ms * 1e6))
             if self.policy is not None and new.policy != old.policy:
                 self._reconfigure(old.policy, new.policy)
             if new.instruction != old.instruction and not self._instruction:
@@ -292,19 +299,12 @@ class PolicyNode(Node):
     def _infer(self, job: _Job) -> None:
         policy, spec = self.policy, self.spec
         with self._lock:
-            st = self.state.state()
-            missing = self.state.missing()
+            state = self.state.state_for(job.stamp_ns) if spec.state_dim else None
+            reason, why = self.state.last_reason, self.state.last_reject
             episode = self._episode
-        state = None
-        if spec.state_dim:
-            if st is None:
-                self.drops.drop("no_state", f"no joint states yet for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-                return
-            state, state_stamp = st
-            age_ms = (job.stamp_ns - state_stamp) / 1e6
-            if age_ms > self._cfg.max_state_age_ms:
-                self.drops.drop("stale_state", f"joint states are {age_ms:.0f} ms older than the observation")
-                return
+        if spec.state_dim and state is None:
+            self.drops.drop(reason, why)
+            return
         mode = self._motion_mode if job.motion_mode is None else job.motion_mode
         set_mode = getattr(policy.planner, "set_motion_mode", None)
         if set_mode is not None:

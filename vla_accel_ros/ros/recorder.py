@@ -4,7 +4,7 @@ What ``ros2 bag record -s mcap`` does, for machines with rclpy but no rosbag2 (t
 wheels): the node looks for its topics on the graph every ``discovery_period_s``, subscribes
 to each one as it appears with a QoS its publishers accept (reliable / transient local only
 when every publisher offers it, as rosbag2 chooses), and stores the serialized messages as
-they arrived through :class:`~vla_accel_ros.core.robot.recording.CdrBagWriter`. The default
+they arrived through :class:`~vla_accel_ros.io.recording.CdrBagWriter`. The default
 topic list (:func:`vla_accel_ros.ros.graph.record_topics`) is the one ``aloha.launch.py
 record:=true`` records, and includes the ``vla-accel sim record`` layout, so ``vla-accel
 replay`` reads the result.
@@ -30,8 +30,9 @@ from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPo
 
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError
-from vla_accel_ros.core.robot.recording import CdrBagWriter, ReorderBuffer, header_stamp_ns
-from vla_accel_ros.io.bags import STORAGES, BagLayout
+from vla_accel_ros.core.robot.topics import TopicLayout
+from vla_accel_ros.io.bag_file import STORAGES
+from vla_accel_ros.io.recording import CdrBagWriter, ReorderBuffer, header_stamp_ns
 from vla_accel_ros.ros.common import spin_node
 from vla_accel_ros.ros.params import ConfigParameters
 
@@ -75,7 +76,7 @@ class RecorderNode(Node):
             raise ConfigError("parameter 'out' is empty: give the bag directory to create")
         if not cfg.topics:
             raise ConfigError("parameter 'topics' is empty: nothing to record")
-        lay = BagLayout()
+        lay = TopicLayout()
         ns = self.get_namespace().rstrip("/")
         # Within a stamp: episode marker, instruction, data; the graph publishes these topics
         # absolute or under its namespace, so both spellings rank.

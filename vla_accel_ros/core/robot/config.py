@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.robot.topics import JOINT_STATE_TOPICS, image_topic
 from vla_accel_ros.core.scheduling.config import SchedulerConfig
 
 ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate")
@@ -62,7 +63,7 @@ class RobotConfig(Config):
         ALOHA_ARMS, doc="arm prefixes: joint '<arm>_<joint>' belongs to arm <arm>", read_only=True
     )
     joint_state_topics: tuple[str, ...] = param(
-        ("/follower_left/joint_states", "/follower_right/joint_states"),
+        JOINT_STATE_TOPICS,
         doc="sensor_msgs/JointState topics the state is read from",
         read_only=True,
     )
@@ -91,11 +92,28 @@ class RobotConfig(Config):
         return len(self.joint_names)
 
 
+# The observation rule's limits (core/robot/observation.py), declared once: the camera node
+# and the policy node split them (CameraConfig, PolicyNodeConfig), replay and evaluation take
+# them together (SyncConfig).
+def _max_age_ms() -> float:
+    return param(100.0, doc="an observation's oldest frame may be at most this old", range=(1.0, 60_000.0))
+
+
+def _max_skew_ms() -> float:
+    return param(40.0, doc="the frames of one observation must lie within this span", range=(0.0, 60_000.0))
+
+
+def _max_state_age_ms() -> float:
+    return param(
+        500.0, doc="joint states older than this at observation time are not used (no inference)", range=(1.0, 600_000.0)
+    )
+
+
 @dataclass(frozen=True)
 class CameraConfig(Config):
     cameras: tuple[str, ...] = param(ALOHA_CAMERAS, doc="camera names, in the policy's camera order", read_only=True)
     topics: tuple[str, ...] = param(
-        tuple(f"/{c}/camera/color/image_rect_raw" for c in ALOHA_CAMERAS),
+        tuple(image_topic(c) for c in ALOHA_CAMERAS),
         doc="one image topic per camera (realsense2_camera >= 4.55 layout)",
         read_only=True,
     )
@@ -103,8 +121,8 @@ class CameraConfig(Config):
         ("raw",), doc="per camera (or one for all): raw (sensor_msgs/Image) or compressed (CompressedImage)",
         choices=("raw", "compressed"), read_only=True,
     )  # fmt: skip
-    max_age_ms: float = param(100.0, doc="an observation's oldest frame may be at most this old", range=(1.0, 60_000.0))
-    max_skew_ms: float = param(40.0, doc="the frames of one observation must lie within this span", range=(0.0, 60_000.0))
+    max_age_ms: float = _max_age_ms()
+    max_skew_ms: float = _max_skew_ms()
     image_size: int = param(224, doc="square size frames are resized to (the bundle's image_size; 0: keep)", range=(0, 4096), read_only=True)
     observation_transport: str = param(
         "topic", doc="topic (vla_accel_ros/Observation) or shared (latest-only buffer, nodes in one process)",
@@ -130,6 +148,24 @@ class CameraConfig(Config):
 
 
 @dataclass(frozen=True)
+class SyncConfig(Config):
+    """The observation rule outside the graph (replay, evaluation, training data): the camera
+    node's limits and the policy node's state age in one config, with the same defaults."""
+
+    cameras: tuple[str, ...] = param((), doc="cameras an observation carries, in order (empty: every camera there is)")
+    max_age_ms: float = _max_age_ms()
+    max_skew_ms: float = _max_skew_ms()
+    max_state_age_ms: float = _max_state_age_ms()
+    image_size: int = param(
+        0, doc="square size frames are resized to (0: keep; the policy resizes with the same function)", range=(0, 4096)
+    )
+
+    def validate(self) -> None:
+        if len(set(self.cameras)) != len(self.cameras):
+            raise ConfigError(f"SyncConfig.cameras must be unique, got {list(self.cameras)}")
+
+
+@dataclass(frozen=True)
 class PolicyNodeConfig(Config):
     bundle: str = param("", doc="path of the model bundle to load", read_only=True)
     instruction: str = param("", doc="instruction used until one arrives on the instruction topic ('' = the bundle's)")
@@ -139,9 +175,7 @@ class PolicyNodeConfig(Config):
         "continuous: infer back to back on the newest observation",
         choices=("request", "continuous"),
     )
-    max_state_age_ms: float = param(
-        500.0, doc="joint states older than this at observation time are not used (no inference)", range=(1.0, 600_000.0)
-    )
+    max_state_age_ms: float = _max_state_age_ms()
     request_wait_ms: float = param(
         100.0, doc="how long a request waits for the observation it names before using the newest", range=(0.0, 10_000.0)
     )

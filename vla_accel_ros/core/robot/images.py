@@ -5,6 +5,10 @@ is_bigendian, data); it honours row padding (``step`` > width * pixel size) and 
 of 16-bit encodings. :func:`decode_compressed` decodes a ``sensor_msgs/CompressedImage``
 payload with OpenCV when it is installed, else with Pillow. Anything that cannot be a valid
 frame raises :class:`ImageError` with a short ``reason`` the camera node counts and logs.
+
+:func:`resize_rgb` is the one resize of the package (Pillow, no torch): the camera node, the
+bag reader and the policies' preprocessing all call it, so a frame reaches the model with the
+same pixels live, in replay, in training and in evaluation.
 """
 
 from __future__ import annotations
@@ -144,6 +148,22 @@ def decode_compressed(fmt: str, data) -> np.ndarray:
             return np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ImageError("decode_failed", f"Pillow could not decode a {len(raw)}-byte {fmt or 'frame'}: {e}") from e
+
+
+def resize_rgb(image: np.ndarray, size: int) -> np.ndarray:
+    """RGB uint8 [H, W, 3] -> [size, size, 3] uint8 with Pillow's antialiased bilinear filter;
+    a frame already at ``size`` is returned as it is (no copy)."""
+    if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        got = f"{image.dtype} {list(image.shape)}" if isinstance(image, np.ndarray) else type(image).__name__
+        raise ImageError("bad_image", f"image must be uint8 [H, W, 3], got {got}")
+    if image.shape[0] == size and image.shape[1] == size:
+        return image
+    if image.shape[0] == 0 or image.shape[1] == 0:
+        raise ImageError("empty", "cannot resize an empty image")
+    from PIL import Image  # noqa: PLC0415 - a core dependency, loaded on the first resize
+
+    out = Image.fromarray(np.ascontiguousarray(image)).resize((size, size), Image.Resampling.BILINEAR)
+    return np.array(out, dtype=np.uint8)  # a writable array
 
 
 def encode_raw(rgb: np.ndarray, encoding: str = "rgb8", *, pad: int = 0, bigendian: bool = False) -> tuple[int, int, int, bytes]:

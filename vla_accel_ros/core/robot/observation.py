@@ -1,6 +1,20 @@
-"""Synchronized observations from free-running cameras, and the latest-only hand-offs between
-threads. Clock-free: every call takes ``now_ns`` from the caller's clock (ROS time in the
-nodes, sim time under ``use_sim_time``).
+"""The one observation rule, and the latest-only hand-offs between threads.
+
+An observation is made when every camera has delivered a frame not used before; it is stamped
+with the OLDEST frame's stamp (actions are at least as old as their oldest pixel); it is
+rejected when its frames are too skewed (``max_skew``) or too old (``max_age``); the state
+attached is the joint-state vector, rejected when it is older than ``max_state_age`` at the
+observation's stamp. Two halves, so the graph can split them:
+
+* :class:`ObservationAssembler`, the image half (frames in, resized to the model's size by the
+  package's one resize): the camera node.
+* :class:`StateGate`, the state half (joint states in through :class:`StateAssembler`, the state
+  for an observation stamp out): the policy node.
+* :class:`ObservationBuilder` runs both end to end, which is what the bag reader (replay,
+  training data, evaluation) does with a bag's messages in bag order.
+
+Clock-free: every call takes ``now_ns`` from the caller's clock (ROS time in the nodes, sim
+time under ``use_sim_time``, the bag timestamp of the message being processed in replay).
 """
 
 from __future__ import annotations
@@ -11,6 +25,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Generic, Sequence, TypeVar
 
 import numpy as np
+
+from vla_accel_ros.core.robot.config import RobotConfig, SyncConfig
+from vla_accel_ros.core.robot.images import ImageError, resize_rgb
+from vla_accel_ros.core.robot.state import StateAssembler
+from vla_accel_ros.core.types import Observation
 
 T = TypeVar("T")
 
@@ -32,7 +51,7 @@ class AssembledObservation:
 
 
 class ObservationAssembler:
-    """Keeps the latest frame per camera and assembles an observation when
+    """The image half. Keeps the latest frame per camera and assembles an observation when
 
     * every camera has delivered a frame not used in a previous observation (so equal-rate
       cameras yield one observation per frame period and a dead camera yields none),
@@ -41,21 +60,40 @@ class ObservationAssembler:
 
     When a set is complete but too old or too skewed, :meth:`assemble` returns None and
     :attr:`last_reject` says why; newer frames replace the offending ones as they arrive.
+    ``image_size`` (0: keep) is the square size :meth:`prepare` resizes frames to.
     """
 
-    def __init__(self, cameras: Sequence[str], *, max_age_ns: int, max_skew_ns: int) -> None:
+    def __init__(self, cameras: Sequence[str], *, max_age_ns: int, max_skew_ns: int, image_size: int = 0) -> None:
         if not cameras or len(set(cameras)) != len(cameras):
             raise ValueError(f"cameras must be unique and non-empty, got {list(cameras)}")
         self.cameras = tuple(cameras)
+        self.image_size = int(image_size)
         self.max_age_ns, self.max_skew_ns = int(max_age_ns), int(max_skew_ns)
         self._latest: dict[str, Frame] = {}
         self._used: dict[str, int] = {}  # camera -> seq of the frame in the last observation
         self._seq = 0
+        self._last_now: int | None = None
         self.last_reject = ""
         self.rejects: dict[str, int] = {"stale": 0, "skew": 0}
 
     def set_limits(self, *, max_age_ns: int, max_skew_ns: int) -> None:
         self.max_age_ns, self.max_skew_ns = int(max_age_ns), int(max_skew_ns)
+
+    def prepare(self, image: np.ndarray) -> np.ndarray:
+        """A decoded frame at the model's size (touches no state: callers may run it in
+        parallel, outside their lock). Raises :class:`ImageError` for an unusable frame."""
+        if image.ndim < 2 or image.shape[0] == 0 or image.shape[1] == 0:
+            raise ImageError("empty", "decoded to an empty image")
+        return resize_rgb(image, self.image_size) if self.image_size else image
+
+    def add(self, camera: str, image: np.ndarray, stamp_ns: int, now_ns: int) -> AssembledObservation | None:
+        """One prepared frame in; the observation it completes, if any. A clock that jumped
+        back (sim time restarted, a bag looped) forgets every frame first."""
+        if self._last_now is not None and now_ns < self._last_now:
+            self.reset()
+        self._last_now = int(now_ns)
+        self.put(camera, image, stamp_ns)
+        return self.assemble(now_ns)
 
     def put(self, camera: str, image: np.ndarray, stamp_ns: int) -> None:
         if camera not in self.cameras:
@@ -92,9 +130,101 @@ class ObservationAssembler:
         return None
 
     def reset(self) -> None:
-        """Forget every frame (e.g. after the clock jumped back)."""
+        """Forget every frame (a new episode, or the clock jumped back)."""
         self._latest.clear()
         self._used.clear()
+        self._last_now = None
+
+
+class StateGate:
+    """The state half: joint-state readings in (through :class:`StateAssembler`), the policy's
+    state vector for an observation stamped ``stamp_ns`` out, or a reject: ``no_state`` (some
+    joint never reported) or ``stale_state`` (the readings are more than ``max_state_age_ns``
+    older than the observation). :attr:`last_reason` / :attr:`last_reject` say why."""
+
+    def __init__(self, robot: RobotConfig, *, max_state_age_ns: int) -> None:
+        self.assembler = StateAssembler(robot)
+        self.max_state_age_ns = int(max_state_age_ns)
+        self.last_reason = self.last_reject = ""
+        self.rejects: dict[str, int] = {"no_state": 0, "stale_state": 0}
+
+    def set_limit(self, *, max_state_age_ns: int) -> None:
+        self.max_state_age_ns = int(max_state_age_ns)
+
+    def update(self, topic_index: int, names: Sequence[str], positions: Sequence[float], stamp_ns: int) -> int:
+        """One JointState message of topic ``topic_index``; returns the joints it matched."""
+        return self.assembler.update(topic_index, names, positions, stamp_ns)
+
+    def missing(self) -> list[str]:
+        return self.assembler.missing()
+
+    def state_for(self, stamp_ns: int) -> np.ndarray | None:
+        """The state [D] float32 to pair with an observation stamped ``stamp_ns``, or None."""
+        st = self.assembler.state()
+        if st is None:
+            missing = self.missing()
+            more = " ..." if len(missing) > 4 else ""
+            return self._reject("no_state", f"no joint states yet for {', '.join(missing[:4])}{more}")
+        state, state_stamp = st
+        age_ns = int(stamp_ns) - state_stamp
+        if age_ns > self.max_state_age_ns:
+            return self._reject("stale_state", f"joint states are {age_ns / 1e6:.0f} ms older than the observation")
+        self.last_reason = self.last_reject = ""
+        return state
+
+    def _reject(self, reason: str, why: str) -> None:
+        self.rejects[reason] += 1
+        self.last_reason, self.last_reject = reason, why
+        return None
+
+    def reset(self) -> None:
+        self.assembler.reset()
+
+
+class ObservationBuilder:
+    """Both halves end to end: frames and joint states in, :class:`Observation` out, exactly as
+    the camera node and the policy node make them between them. The bag reader feeds it a bag's
+    messages in order (joint states of a stamp before its frames); :meth:`begin_episode` is an
+    episode marker: nothing from before it is used after it."""
+
+    def __init__(self, cameras: Sequence[str], config: SyncConfig | None = None, robot: RobotConfig | None = None) -> None:
+        c = config or SyncConfig()
+        self.frames = ObservationAssembler(
+            cameras, max_age_ns=int(c.max_age_ms * 1e6), max_skew_ns=int(c.max_skew_ms * 1e6), image_size=c.image_size
+        )
+        self.state = None if robot is None else StateGate(robot, max_state_age_ns=int(c.max_state_age_ms * 1e6))
+        self.episode, self.instruction = 0, ""
+
+    @property
+    def rejects(self) -> dict[str, int]:
+        """Observations not made, by reason (frames: stale, skew; state: no_state, stale_state)."""
+        return {**self.frames.rejects, **(self.state.rejects if self.state is not None else {})}
+
+    def begin_episode(self, episode: int) -> None:
+        self.episode, self.instruction = int(episode), ""
+        self.frames.reset()
+        if self.state is not None:
+            self.state.reset()
+
+    def set_instruction(self, text: str) -> None:
+        self.instruction = str(text)
+
+    def joint_state(self, topic_index: int, names: Sequence[str], positions: Sequence[float], stamp_ns: int) -> int:
+        return 0 if self.state is None else self.state.update(topic_index, names, positions, stamp_ns)
+
+    def frame(self, camera: str, image: np.ndarray, stamp_ns: int, now_ns: int) -> Observation | None:
+        """One decoded frame in; the observation it completes (state attached), if any."""
+        obs = self.frames.add(camera, self.frames.prepare(image), stamp_ns, now_ns)
+        if obs is None:
+            return None
+        state = None
+        if self.state is not None:
+            state = self.state.state_for(obs.stamp_ns)
+            if state is None:
+                return None
+        return Observation(
+            images=obs.images, instruction=self.instruction, stamp_ns=obs.stamp_ns, state=state, episode=self.episode
+        )
 
 
 class LatestSlot(Generic[T]):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from vla_accel_ros.core.errors import BagError
-from vla_accel_ros.io.bags import BagWriter
+from vla_accel_ros.io.bag_writer import BagWriter
 
 _ENCAPSULATION = {b"\x00\x01": "<", b"\x00\x00": ">"}  # CDR little / big endian (plain CDR)
 
@@ -85,7 +85,7 @@ def _msg_dirs(package: str) -> Iterable[Path]:
         if prefix:
             yield Path(prefix) / "share" / package / "msg"
     if package == "vla_accel_ros":  # the source tree
-        yield Path(__file__).resolve().parents[3] / "msg"
+        yield Path(__file__).resolve().parents[2] / "msg"
 
 
 def find_msg_definition(msgtype: str) -> str | None:
