@@ -71,7 +71,7 @@ def test_loss_decreases(family, episodes, tmp_path):
 def test_train_cli_bundle_loads_passes_parity_and_resumes_exactly(demo_bag, tmp_path):
     from safetensors.torch import load_file
 
-    from vla_accel_ros.io.bags import BagReader
+    from vla_accel_ros.io.bag_reader import BagReader
     from vla_accel_ros.models.factory import load_policy
 
     common = ["train", "--family", "flow", "--size", "tiny", "--data", str(demo_bag), "--batch", "4",

@@ -6,9 +6,10 @@ policy built like the policy node builds it (:func:`load_policy` with the mode's
 runs the same episodes (object placements from the same seeds). An episode is the live graph
 without ROS, on simulated time:
 
-* the simulator renders the bundle's cameras when an observation is needed, and reports its
-  joints in the robot's units; the policy node's observation rule and state assembler turn
-  them into the :class:`Observation` the policy sees (as ``camera_node`` / ``policy_node``);
+* the simulator renders the bundle's cameras when an observation is needed, and publishes its
+  joints in the robot's units; the package's one observation rule
+  (:class:`~vla_accel_ros.core.robot.observation.ObservationBuilder`, the camera node's and the
+  policy node's halves end to end) turns them into the :class:`Observation` the policy sees;
 * the controller's chunk scheduler and safety filter (``config/aloha.yaml``'s
   ``action_controller_node`` section) turn chunks into one joint command per 20 ms tick;
 * inference costs no sim time by default (``latency="zero"``: the simulator waits for the
@@ -98,14 +99,23 @@ class GraphConfigs:
 
     robot: Any
     camera: Any
+    policy_node: Any
     scheduler: Any
     safety: Any
+
+    def sync(self, image_size: int):
+        """The observation rule's limits as the camera and policy nodes hold them."""
+        from vla_accel_ros.core.robot.config import SyncConfig
+
+        c = self.camera
+        return SyncConfig(max_age_ms=c.max_age_ms, max_skew_ms=c.max_skew_ms,
+                          max_state_age_ms=self.policy_node.max_state_age_ms, image_size=image_size)  # fmt: skip
 
     @classmethod
     def load(cls, path: Path | None) -> "GraphConfigs":
         """From a ROS 2 parameter file, read the way rcl reads it (``ros.graph`` imports no rclpy)."""
         from vla_accel_ros.core.config import unflatten
-        from vla_accel_ros.core.robot.config import CameraConfig, ControllerConfig
+        from vla_accel_ros.core.robot.config import CameraConfig, ControllerConfig, PolicyNodeConfig
         from vla_accel_ros.ros.graph import default_params_file, load_params, node_parameters
 
         params = load_params(path or default_params_file())
@@ -117,50 +127,62 @@ class GraphConfigs:
 
         controller = section("action_controller_node", ControllerConfig)
         camera = section("camera_node", CameraConfig)
+        policy_node = section("policy_node", PolicyNodeConfig)
         # A simulated arm needs no enable call: output starts enabled.
         safety = controller.safety.replace(start_enabled=True)
-        return cls(robot=controller.robot, camera=camera, scheduler=controller.scheduler, safety=safety)
+        return cls(robot=controller.robot, camera=camera, policy_node=policy_node, scheduler=controller.scheduler,
+                   safety=safety)  # fmt: skip
 
 
 class SimRobot:
-    """The simulator as the policy and controller see it: cameras by ROS name, joint states in
-    the robot's units through the policy node's state assembler, commands in the action layout."""
+    """The simulator as the graph sees it: frames of the bundle's cameras (by ROS name) and joint
+    states in the robot's units, made into observations by the one observation rule; commands
+    in the action layout."""
 
-    def __init__(self, task: str, cameras: tuple[str, ...], robot, height: int, width: int) -> None:
-        from vla_accel_ros.core.robot.state import StateAssembler
-        from vla_accel_ros.io.bags import BagLayout
-        from vla_accel_ros.sim.aloha import AlohaSim, SimConfig
+    def __init__(self, task: str, cameras: tuple[str, ...], robot, sync, height: int, width: int) -> None:
+        from vla_accel_ros.core.robot.observation import ObservationBuilder
+        from vla_accel_ros.core.robot.topics import TopicLayout
+        from vla_accel_ros.sim.aloha import CAMERA_NAMES, AlohaSim, SimConfig
         from vla_accel_ros.sim.robot_io import check_robot
 
         check_robot(robot)
-        layout = BagLayout()
-        ros_to_sim = {layout.ros_camera(c): c for c in ("top", "angle", "front_close", "left_wrist", "right_wrist",
-                                                          "left_pillar", "right_pillar")}  # fmt: skip
+        layout = TopicLayout()
+        ros_to_sim = {layout.ros_camera(c): c for c in CAMERA_NAMES}
         missing = [c for c in cameras if c not in ros_to_sim]
         if missing:
             raise ConfigError(f"the simulator has no camera(s) {', '.join(missing)}; it has {', '.join(sorted(ros_to_sim))}")
-        self.cameras = {c: ros_to_sim[c] for c in cameras}  # ROS name -> sim name
+        self.cameras = {c: ros_to_sim[c] for c in cameras}  # ROS name -> scene camera
         self.robot = robot
         self.sim = AlohaSim(SimConfig(task=task, cameras=(), height=height, width=width))
-        self.state = StateAssembler(robot)
+        self.builder = ObservationBuilder(tuple(cameras), sync, robot)
+        self._episode = 0
 
     def reset(self, seed: int) -> None:
         self.sim.reset(seed, cameras=())
-        self.state.reset()
+        self._episode += 1
+        self.builder.begin_episode(self._episode)
+        self.builder.set_instruction(self.sim.instruction)
 
-    def measured(self, stamp_ns: int) -> np.ndarray:
-        """The robot's state [D] as the policy node assembles it from the joint-state topics."""
+    def publish_state(self, stamp_ns: int) -> None:
+        """The joint states of this instant, as the robot's topics carry them."""
         from vla_accel_ros.sim.robot_io import joint_state_messages
 
-        sim = self.sim
-        for k, (names, pos, _vel) in enumerate(joint_state_messages(self.robot, sim.qpos(), sim.qvel())):
-            self.state.update(k, names, pos, stamp_ns)
-        st = self.state.state()
-        assert st is not None  # every joint was just published
+        for k, (names, pos, _vel) in enumerate(joint_state_messages(self.robot, self.sim.qpos(), self.sim.qvel())):
+            self.builder.joint_state(k, names, pos, stamp_ns)
+
+    def measured(self) -> np.ndarray:
+        """The state [D] as the controller assembles it (grippers normalized)."""
+        st = self.builder.state.assembler.state()
+        assert st is not None, "publish_state() first"
         return st[0]
 
-    def images(self) -> dict[str, np.ndarray]:
-        return {ros: self.sim.render(s, self.sim.config.height, self.sim.config.width) for ros, s in self.cameras.items()}
+    def observe(self, stamp_ns: int):
+        """Render every camera now and return the observation the rule makes of it (or None)."""
+        obs = None
+        h, w = self.sim.config.height, self.sim.config.width
+        for ros, scene in self.cameras.items():
+            obs = self.builder.frame(ros, self.sim.render(scene, h, w), stamp_ns, stamp_ns)
+        return obs
 
     def step(self, command: np.ndarray) -> None:
         self.sim.step(command, cameras=())
@@ -190,30 +212,25 @@ class EpisodeResult:
 
 def run_episode(robot: SimRobot, policy, graph: GraphConfigs, seed: int, cfg: EvalConfig, noise_seed: int) -> EpisodeResult:
     """One closed-loop episode on simulated time (see the module docstring)."""
-    from vla_accel_ros.core.robot.observation import ObservationAssembler
     from vla_accel_ros.core.robot.safety import SafetyFilter
     from vla_accel_ros.core.scheduling import ChunkScheduler
-    from vla_accel_ros.core.types import Observation
     from vla_accel_ros.sim.live import DT_NS
 
     spec = policy.spec
     robot.reset(seed)
     policy.reset()
-    cams = tuple(robot.cameras)
-    assembler = ObservationAssembler(
-        cams, max_age_ns=int(graph.camera.max_age_ms * 1e6), max_skew_ns=int(graph.camera.max_skew_ms * 1e6)
-    )
     scheduler = ChunkScheduler(graph.scheduler)
     safety = SafetyFilter(graph.robot, graph.safety)
     now = DT_NS  # as aloha_sim_node: sim time starts one tick in
-    measured = robot.measured(now)
-    scheduler.reset(hold_action=measured)
+    robot.publish_state(now)
+    scheduler.reset(hold_action=robot.measured())
     rng = np.random.default_rng((noise_seed, seed))
     in_flight: list[tuple[int, Any]] = []  # (arrival time, chunk)
     latencies: list[float] = []
     holding = 0
     for _ in range(cfg.steps):
-        measured = robot.measured(now)
+        robot.publish_state(now)
+        measured = robot.measured()
         result = scheduler.step(now)
         holding += bool(result.holding)
         action = result.action if result.action is not None else measured
@@ -223,12 +240,8 @@ def run_episode(robot: SimRobot, policy, graph: GraphConfigs, seed: int, cfg: Ev
         for chunk in arrived:
             scheduler.add_chunk(chunk, now)
         if not in_flight and scheduler.wants_inference(now):
-            for cam, image in robot.images().items():
-                assembler.put(cam, image, now)
-            assembled = assembler.assemble(now)
-            if assembled is not None:
-                obs = Observation(images=assembled.images, instruction=robot.instruction, stamp_ns=assembled.stamp_ns,
-                                  state=measured if spec.state_dim else None)  # fmt: skip
+            obs = robot.observe(now)
+            if obs is not None:
                 request = scheduler.request_inference(now, obs.stamp_ns)
                 noise = rng.standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
                 chunk = policy.infer(obs, noise=noise, guidance=request.guidance)
@@ -249,7 +262,7 @@ def run_episode(robot: SimRobot, policy, graph: GraphConfigs, seed: int, cfg: Ev
 @dataclass
 class Demo:
     seed: int
-    frames: list[tuple[int, dict[str, np.ndarray], np.ndarray]]  # (step, images, state)
+    frames: list[tuple[int, Any]]  # (step, Observation)
     actions: np.ndarray  # [T, D] the expert's actions
 
 
@@ -265,8 +278,11 @@ def record_demos(robot: SimRobot, task: str, seeds: list[int], steps: int, strid
         expert = ScriptedExpert(task, sim.seed, sim.object_qpos)
         frames, actions = [], []
         for t in range(steps):
-            if t % stride == 0:
-                frames.append((t, robot.images(), robot.measured((t + 1) * DT_NS)))
+            now = (t + 1) * DT_NS
+            robot.publish_state(now)
+            obs = robot.observe(now) if t % stride == 0 else None
+            if obs is not None:
+                frames.append((t, obs))
             a = expert.act(t, sim.object_qpos)
             actions.append(a)
             robot.step(a)
@@ -274,16 +290,13 @@ def record_demos(robot: SimRobot, task: str, seeds: list[int], steps: int, strid
     return demos
 
 
-def open_loop_error(policy, demos: list[Demo], instruction: str, lower: np.ndarray, upper: np.ndarray) -> dict[str, Any]:
+def open_loop_error(policy, demos: list[Demo], lower: np.ndarray, upper: np.ndarray) -> dict[str, Any]:
     """Mean |chunk - expert| over the valid part of every chunk: in the action's units (rad for
     arm joints, normalized for grippers) and as a fraction of each joint's range."""
-    from vla_accel_ros.core.types import Observation
-
     errs = []
     for demo in demos:
         policy.reset()
-        for step, images, state in demo.frames:
-            obs = Observation(images=images, instruction=instruction, stamp_ns=step + 1, state=state)
+        for step, obs in demo.frames:
             noise = np.random.default_rng((demo.seed, step)).standard_normal((policy.spec.chunk_size, policy.spec.action_dim))
             chunk = policy.infer(obs, noise=noise.astype(np.float32))
             n = min(chunk.horizon, demo.actions.shape[0] - step)
@@ -319,7 +332,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
     spec = bundle.spec
     if tuple(spec.joint_names) != tuple(graph.robot.joint_names):
         raise ConfigError(f"bundle {spec.name} joints {list(spec.joint_names)} differ from robot.joint_names")
-    robot = SimRobot(cfg.task, tuple(spec.cameras), graph.robot, cfg.height, cfg.width)
+    robot = SimRobot(cfg.task, tuple(spec.cameras), graph.robot, graph.sync(spec.image_size), cfg.height, cfg.width)
     runs = build_runs(bundle, names, cfg)
     seeds = [cfg.seed + i for i in range(cfg.episodes)]
     lo, hi = (graph.safety.lower, graph.safety.upper) if graph.safety.lower else default_limits(graph.robot)
@@ -337,7 +350,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
                 bar.update(1)
                 ok = sum(x.success for x in results)
                 bar.set_postfix_str(f"{r.name}: {ok}/{len(results)} success")
-            ol = open_loop_error(r.policy, demos, robot.instruction, np.asarray(lo), np.asarray(hi))
+            ol = open_loop_error(r.policy, demos, np.asarray(lo), np.asarray(hi))
             modes[r.name] = summarize_mode(r, results, ol)
     base_p50 = modes[BASELINE]["latency_ms"]["p50"]
     for m in modes.values():

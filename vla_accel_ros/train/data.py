@@ -1,9 +1,10 @@
 """Behaviour-cloning data from rosbag2 bags, read the way the policy node sees the robot.
 
-Every sample comes from :meth:`~vla_accel_ros.io.bags.BagReader.samples` (the project's one
-observation rule: cameras, joint state through the policy node's state assembler, instruction,
-episode) and is preprocessed by the policy's own :func:`preprocess_frames`, so a trained bundle
-sees at run time exactly the pixels and state it was trained on. Per kept frame the target is
+Every sample comes from :meth:`~vla_accel_ros.io.bag_reader.BagReader.samples`, i.e. the
+package's one observation rule (:class:`~vla_accel_ros.core.robot.observation.ObservationBuilder`:
+cameras, the package's one resize, the joint state through the policy node's state assembler,
+instruction, episode), so a trained bundle sees at run time exactly the pixels and state it was
+trained on. Per kept frame the target is
 the chunk of the next ``chunk_size`` recorded actions of its episode (padded with the last
 action past the episode's end, and marked invalid there).
 
@@ -92,8 +93,8 @@ def read_episodes(
     both. Frames are kept at the model's resolution only (a 480x640 frame is 4x the memory)."""
     from tqdm import tqdm
 
-    from vla_accel_ros.io.bags import BagReader, SyncConfig
-    from vla_accel_ros.models.common import preprocess_frames
+    from vla_accel_ros.core.robot.config import SyncConfig
+    from vla_accel_ros.io.bag_reader import BagReader
 
     parts: list[dict] = []  # per episode: lists of frames, states, actions
     for path in bags:
@@ -105,7 +106,7 @@ def read_episodes(
             total = bag.topics[have[cameras[0]]].count
             bar = tqdm(total=total, desc=f"reading {Path(path).name}", unit="frame", disable=not progress, leave=False)
             episode = None
-            for sample in bag.samples(SyncConfig(trigger=cameras[0], cameras=tuple(cameras))):
+            for sample in bag.samples(SyncConfig(cameras=tuple(cameras), image_size=image_size)):
                 bar.update(1)
                 obs = sample.observation
                 if sample.action is None or obs.state is None:
@@ -114,7 +115,7 @@ def read_episodes(
                     episode = obs.episode
                     parts.append({"source": f"{path}#{episode}", "instruction": obs.instruction, "f": [], "s": [], "a": []})
                 cur = parts[-1]
-                cur["f"].append(preprocess_frames(obs.images, tuple(cameras), image_size).raw.numpy())  # [C, S, S, 3]
+                cur["f"].append(np.stack([obs.images[c] for c in cameras]))  # [C, S, S, 3], resized by the rule
                 cur["s"].append(np.asarray(obs.state, np.float32))
                 cur["a"].append(np.asarray(sample.action, np.float32))
             bar.close()
