@@ -11,8 +11,9 @@ from torch import nn
 from vla_accel_ros.core.bundle import Bundle, BundleSpec, count_parameters, load_bundle, save_bundle
 from vla_accel_ros.core.errors import BundleError, ConfigError, ParityError
 from vla_accel_ros.core.policy_config import PolicyConfig
-from vla_accel_ros.core.prefix import FullRecompute, PrefixPlanner
 from vla_accel_ros.core.robot.config import ALOHA_JOINT_NAMES, ALOHA_START_ARM
+from vla_accel_ros.core.prefix import PrefixPlanner
+from vla_accel_ros.models.base import make_planner
 from vla_accel_ros.models.common import skip_init
 
 ALOHA_START = np.array([*ALOHA_START_ARM, 0.5] * 2, dtype=np.float32)  # grippers half open
@@ -116,18 +117,6 @@ def model_from_bundle(bundle: Bundle) -> nn.Module:
             raise BundleError(f"{bundle.path}: {name} is {tensor.dtype}, expected a floating point tensor")
     model.load_state_dict({k: v.to(torch.float32) for k, v in bundle.state_dict.items()}, strict=True)
     return model.eval()
-
-
-def make_planner(config: PolicyConfig) -> PrefixPlanner:
-    if config.accel == "none":
-        return FullRecompute()
-    if config.accel == "cache":
-        try:
-            from vla_accel_ros.core.cache import TokenCachePlanner
-        except ImportError as e:
-            raise ConfigError("accel='cache' needs vla_accel_ros.core.cache, which is not available") from e
-        return TokenCachePlanner(config.cache)
-    raise ConfigError(f"accel={config.accel!r} has no planner")
 
 
 def load_policy(

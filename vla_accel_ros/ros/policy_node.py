@@ -10,9 +10,11 @@ With ``policy.num_threads: 0`` the node leaves one CPU core to the control loop 
 * ``trigger: continuous``: infer back to back on the newest observation.
 
 Between two inferences the worker applies, atomically, what accumulated meanwhile: an accepted
-parameter change (a new PolicyConfig; a new prefix planner when its options changed) and
-resets (instruction change, ``~/reset_episode``). The motion mode from the controller
-(``motion_state``, or the request's own) is handed to planners that prune by it.
+parameter change (``policy.configure``: validated against the loaded model when it is set, so
+a bad value is refused with the reason) and resets (instruction change, ``~/reset_episode``).
+The motion mode from the controller (``motion_state``, or the request's own) goes to
+``policy.set_motion_mode``. The state attached to an observation comes from the state half of
+the one observation rule (:class:`~vla_accel_ros.core.robot.observation.StateGate`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from rclpy.node import Node
 from std_msgs.msg import Bool, Header, String
 from std_srvs.srv import Trigger
 
-from vla_accel_ros.core.config import flatten
-from vla_accel_ros.core.errors import VlaAccelError
+from vla_accel_ros.core.config import changed_fields
+from vla_accel_ros.core.errors import ConfigError, VlaAccelError
 from vla_accel_ros.core.robot.loop_stats import Percentiles
 from vla_accel_ros.core.robot.config import PolicyNodeConfig
 from vla_accel_ros.core.robot.motion import COARSE, MODE_NAMES
@@ -58,9 +60,6 @@ from vla_accel_ros.ros.conversions import (
 )
 from vla_accel_ros.ros.params import ConfigParameters
 
-# PolicyConfig fields that do not change how the prefix is planned (no new planner needed).
-_NOT_PLANNER = {"flow_steps", "parity_tolerance", "seed", "parity_check", "num_threads"}
-
 
 def _torch_threads() -> int:
     import torch  # noqa: PLC0415
@@ -80,8 +79,9 @@ class _Job:
 class PolicyNode(Node):
     def __init__(self, node_name: str = "policy_node", **kwargs) -> None:
         super().__init__(node_name, **kwargs)
+        self.policy = None
         # policy.seed seeds the noise generator once, at load: read-only here.
-        self.params = ConfigParameters(self, PolicyNodeConfig, read_only=("policy.seed",))
+        self.params = ConfigParameters(self, PolicyNodeConfig, read_only=("policy.seed",), validate=self._check)
         cfg: PolicyNodeConfig = self.params.config
         self._cfg = cfg  # the config the worker runs with (swapped between inferences)
         self._lock = threading.Lock()
@@ -102,7 +102,6 @@ class PolicyNode(Node):
         self._stop = threading.Event()
         self.ready = False
         self.failure = ""
-        self.policy = None
         self.spec = None
         self.chunks = 0
         self.errors = 0
@@ -131,6 +130,11 @@ class PolicyNode(Node):
         self.create_timer(1.0, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
         self._worker = threading.Thread(target=self._run, name=f"{node_name}-worker", daemon=True)
         self._worker.start()
+
+    def _check(self, cfg: PolicyNodeConfig) -> None:
+        """A parameter change the loaded policy would refuse is refused now, with its reason."""
+        if self.policy is not None:
+            self.policy.check_config(cfg.policy)
 
     # -- inputs (short callbacks) -------------------------------------------------------------
     def _on_observation(self, msg: ObservationMsg) -> None:
@@ -286,15 +290,13 @@ class PolicyNode(Node):
             self._reset_reason = reason
 
     def _reconfigure(self, old, new) -> None:
-        from vla_accel_ros.models.factory import make_planner  # noqa: PLC0415
-
-        self.policy.config = new
-        a, b = flatten(old), flatten(new)
-        changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-        if any(k.split(".")[0] not in _NOT_PLANNER for k in changed):
-            self.policy.planner = make_planner(new)  # a fresh planner: its caches start empty
-            self._reset_reason = "config"
-        self.get_logger().info(f"applied policy.{', policy.'.join(changed)}")
+        try:
+            if self.policy.configure(new):  # a fresh planner: its caches start empty
+                self._reset_reason = "config"
+        except ConfigError as e:  # checked when set; the policy keeps its old options
+            self.get_logger().error(f"policy options not applied: {e}")
+            return
+        self.get_logger().info(f"applied policy.{', policy.'.join(changed_fields(old, new))}")
 
     def _infer(self, job: _Job) -> None:
         policy, spec = self.policy, self.spec
@@ -306,9 +308,7 @@ class PolicyNode(Node):
             self.drops.drop(reason, why)
             return
         mode = self._motion_mode if job.motion_mode is None else job.motion_mode
-        set_mode = getattr(policy.planner, "set_motion_mode", None)
-        if set_mode is not None:
-            set_mode(MODE_NAMES.get(mode, "coarse"))
+        policy.set_motion_mode(MODE_NAMES.get(mode, "coarse"))
         obs = Observation(images=job.obs.images, instruction=self._instruction_text(), stamp_ns=job.stamp_ns, state=state, episode=episode)
         chunk = policy.infer(obs, guidance=job.guidance)
         now = self.get_clock().now().nanoseconds
