@@ -5,6 +5,10 @@
 * :class:`ScriptedExpert`, :func:`scripted_trajectory` - seeded waypoint demonstrations for
   ``transfer_cube`` and ``insertion``.
 * :func:`scripted_frames` - per-step frames (images, joint state, action, time) to record.
+* ``synthetic`` - a synthetic camera stream (a two-link arm over a textured table), no MuJoCo:
+  the cache benchmark's frames and the synthetic robot node's cameras.
+* ``live``, ``robot_io`` - a live simulator loop without ROS: pacing, latency, the robot's
+  joint states and commands.
 
 dm_control and gym-aloha (requirements-sim.txt) are imported on first use, not here.
 """
