@@ -4,7 +4,8 @@ timer with its own clock.
 
 Modules: ``queue`` (time-indexed plan on the tick grid), ``aggregation`` (overlap merging),
 ``rtc`` (Real-Time Chunking guidance; flow policies import :func:`prefix_weights`),
-``latency``, ``metrics``, ``scheduler``. The deterministic closed loop of ``vla-accel bench
+``latency``, ``metrics``, ``scheduler``, ``control_loop`` (the action controller's tick
+without ROS; import it from its module). The deterministic closed loop of ``vla-accel bench
 scheduler`` is ``vla_accel_ros.bench.scheduler_sim``.
 """
 
