@@ -2,7 +2,7 @@
 controller nodes decide, as plain Python and NumPy so it is unit-tested without rclpy.
 
 Modules:
-    ``images``       raw ``sensor_msgs/Image`` fields -> RGB uint8, compressed decoding
+    ``images``       raw ``sensor_msgs/Image`` fields -> RGB uint8, compressed decoding, the one resize
     ``topics``       the ALOHA topic conventions (cameras, joint states, actions, episodes)
     ``observation``  the one observation rule: frames (max age / skew, resize) and state halves,
                      both end to end for bags; latest-only slots and the observation channel
