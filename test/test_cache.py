@@ -361,7 +361,7 @@ def test_staggered_refresh_spreads_the_age_limit_over_frames():
     ],
 )
 def test_layer_sets_are_nested_and_reused_rows_hold_valid_kv(tiny_bundles, family, cache):
-    from vla_accel_ros.bench.synthetic import synthetic_observations
+    from vla_accel_ros.sim.synthetic import synthetic_observations
 
     policy, plans = _policy(tiny_bundles, family, **cache)
     force = policy.planner.config.force_recompute_layers

@@ -166,3 +166,34 @@ def test_qwen2_backbone_bundle_passes_parity(tmp_path):
     policy = load_policy(path)  # runs the parity gate
     assert policy.parity_report.passed
     assert type(policy.model.lm).__name__ == "Qwen2ForCausalLM"
+
+
+@pytest.mark.parametrize("family", ["ar", "flow"])
+def test_configure_applies_atomically_or_refuses(tiny_bundles, family):
+    from vla_accel_ros.core.cache.config import CacheConfig
+    from vla_accel_ros.core.errors import ConfigError
+    from vla_accel_ros.core.policy_config import PolicyConfig
+    from vla_accel_ros.core.prefix import FullRecompute
+    from vla_accel_ros.core.types import ConfigurablePolicy
+    from vla_accel_ros.models.factory import load_policy
+
+    policy = load_policy(tiny_bundles[family], PolicyConfig(parity_check=False))
+    assert isinstance(policy, ConfigurablePolicy)
+    before, planner = policy.config, policy.planner
+    # Refused: a layer the model does not have, a field fixed at build time. Nothing changes.
+    deep = PolicyConfig(accel="cache", parity_check=False, cache=CacheConfig(relevance_layer=policy.num_layers))
+    with pytest.raises(ConfigError, match="relevance_layer"):
+        policy.configure(deep)
+    with pytest.raises(ConfigError, match="seed"):
+        policy.configure(PolicyConfig(parity_check=False, seed=7))
+    assert policy.config is before and policy.planner is planner
+    # A planning change builds a fresh planner; a solver change keeps it.
+    assert policy.configure(PolicyConfig(accel="cache", parity_check=False)) is True
+    assert policy.planner is not planner and policy.planner.name != FullRecompute.name
+    cached = policy.planner
+    assert policy.configure(PolicyConfig(accel="cache", parity_check=False, flow_steps=3)) is False
+    assert policy.planner is cached and policy.config.flow_steps == 3
+    policy.set_motion_mode("fine")
+    assert policy.infer(_obs(policy.spec)).actions.shape[0] == policy.spec.chunk_size
+    with pytest.raises(ConfigError, match="motion mode"):
+        policy.set_motion_mode("slow")

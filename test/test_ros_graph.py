@@ -190,7 +190,7 @@ def test_frames_and_joint_states_come_out_as_joint_commands(system):
     pos = np.array([list(m.position) for m in cmds])  # [N, 14]
     assert pos.shape[1] == 14 and np.isfinite(pos).all()
     ctl = running.nodes[CONTROLLER]
-    lo, hi = ctl.safety.lower.copy(), ctl.safety.upper.copy()
+    lo, hi = ctl.control.safety.lower.copy(), ctl.control.safety.upper.copy()
     lo[[6, 13]], hi[[6, 13]] = 0.6197, 1.6214  # grippers leave as joint angles (rad)
     assert (pos >= lo - 1e-6).all() and (pos <= hi + 1e-6).all()
     assert np.abs(np.diff(pos[:, [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12]], axis=0)).max() <= 0.05 + 1e-6  # per-step clamp
@@ -288,20 +288,20 @@ def test_estop_stops_command_output_until_released_and_enabled(system):
     running, probe = system
     ctl = running.nodes[CONTROLLER]
     probe.estop_pub.publish(Bool(data=True))
-    wait_for(lambda: ctl.safety.estop, what="the e-stop to reach the controller")
-    tick = ctl.tick
-    wait_for(lambda: ctl.tick >= tick + 2, what="two control ticks")  # no command is in flight now
-    published = ctl.commands
+    wait_for(lambda: ctl.control.safety.estop, what="the e-stop to reach the controller")
+    tick = ctl.control.tick_count
+    wait_for(lambda: ctl.control.tick_count >= tick + 2, what="two control ticks")  # no command is in flight now
+    published = ctl.control.commands
     wait_for(lambda: probe.count("commands") >= published, timeout=10.0, what="in-flight commands")
     n = probe.count("commands")
-    tick = ctl.tick
-    wait_for(lambda: ctl.tick >= tick + 25, what="25 control ticks")
-    assert ctl.commands == published and probe.count("commands") == n
+    tick = ctl.control.tick_count
+    wait_for(lambda: ctl.control.tick_count >= tick + 25, what="25 control ticks")
+    assert ctl.control.commands == published and probe.count("commands") == n
     probe.estop_pub.publish(Bool(data=False))
-    wait_for(lambda: not ctl.safety.estop, what="the release")
-    tick = ctl.tick
-    wait_for(lambda: ctl.tick >= tick + 10, what="10 control ticks")
-    assert ctl.commands == published  # released, but not re-enabled
+    wait_for(lambda: not ctl.control.safety.estop, what="the release")
+    tick = ctl.control.tick_count
+    wait_for(lambda: ctl.control.tick_count >= tick + 10, what="10 control ticks")
+    assert ctl.control.commands == published  # released, but not re-enabled
     reply = probe.call(SetBool, f"/{CONTROLLER}/enable", SetBool.Request(data=True))
     assert reply.success
     wait_for(lambda: probe.count("commands") >= n + 10, what="commands after enabling")
@@ -348,9 +348,9 @@ def test_controller_holds_within_the_watchdog_time_when_the_policy_stops(system)
     running.stop_node(POLICY)
     t_stop = time.monotonic()
     n_chunks = probe.count("chunks")
-    wait_for(lambda: ctl.watchdog.tripped, what="the watchdog")
+    wait_for(lambda: ctl.control.watchdog.tripped, what="the watchdog")
     # It tripped WATCHDOG periods after the last chunk arrived (a chunk may have been in flight).
-    assert ctl.tick - ctl.watchdog._last_tick > WATCHDOG  # noqa: SLF001
+    assert ctl.control.tick_count - ctl.control.watchdog._last_tick > WATCHDOG  # noqa: SLF001
     t_trip = time.monotonic()
     n = probe.count("commands")
     wait_for(lambda: probe.count("commands") >= n + 20, what="held commands")

@@ -139,13 +139,13 @@ def test_graph_wires_the_simulator_to_the_camera_and_controller_config(tiny_bund
     assert any("cam_low" in n for n in g2.notes)  # no scene camera for it: said, not hidden
     # every key of the simulator's section is a parameter it declares, and the values build
     pytest.importorskip("rclpy")
-    from vla_accel_ros.ros.aloha_sim_node import AlohaSimNodeConfig
+    from vla_accel_ros.sim.runner import LiveSimConfig
     from vla_accel_ros.ros.params import leaf_specs
 
-    declared = {s.name for s in leaf_specs(AlohaSimNodeConfig)} | {"use_sim_time"}
+    declared = {s.name for s in leaf_specs(LiveSimConfig)} | {"use_sim_time"}
     keys = set(node_parameters(params, SIM))
     assert keys <= declared, sorted(keys - declared)
-    AlohaSimNodeConfig.from_dict(unflatten({k: v for k, v in node_parameters(params, SIM).items() if k != "use_sim_time"}))
+    LiveSimConfig.from_dict(unflatten({k: v for k, v in node_parameters(params, SIM).items() if k != "use_sim_time"}))
 
 
 # -- the node, in this process ---------------------------------------------------------------------
@@ -252,7 +252,7 @@ def test_sim_node_publishes_joint_states_clock_and_only_subscribed_cameras(sim_g
     assert len(m.velocity) == len(m.name)
     wait_for(lambda: probe.instruction and probe.episode == [0], what="instruction and episode marker (transient local)")
     assert "cube" in probe.instruction[0]
-    assert sim.frames == 0  # nobody watches a camera: nothing is rendered
+    assert sim.runner.frames == 0  # nobody watches a camera: nothing is rendered
     probe.watch_images("/cam_high/camera/color/image_rect_raw")  # top, through the sim record layout
     wait_for(lambda: len(probe.images) >= 3, what="frames of the subscribed camera")
     img = probe.images[-1]
@@ -261,7 +261,7 @@ def test_sim_node_publishes_joint_states_clock_and_only_subscribed_cameras(sim_g
     stamp = img.header.stamp.sec * 10**9 + img.header.stamp.nanosec
     assert stamp % DT_NS == 0  # stamped with sim time: a tick /clock announces (after the frame)
     wait_for(lambda: probe.clock[-1] >= stamp, what=f"the clock to reach the frame's stamp {stamp}")
-    assert sim.frames_by_camera["top"] > 0 and sim.frames_by_camera["left_wrist"] == 0
+    assert sim.runner.frames_by_camera["top"] > 0 and sim.runner.frames_by_camera["left_wrist"] == 0
 
 
 @pytest.mark.ros
@@ -276,7 +276,7 @@ def test_episodes_end_with_their_outcome_and_restart_on_one_clock(sim_graph):
     # markers count up (the publisher keeps only the newest, so a slow subscriber may skip one)
     assert all(b > a for a, b in zip(episodes, episodes[1:])), episodes
     assert not any(success)
-    assert sim.episodes.finished >= 2 and sim.episodes.seed == sim.episodes.episode  # episode i: seed 0 + i
+    assert sim.runner.episodes.finished >= 2 and sim.runner.episodes.seed == sim.runner.episodes.episode  # episode i: seed 0 + i
     with probe.lock:
         clock = list(probe.clock)
     assert all(b > a for a, b in zip(clock, clock[1:]))  # resets never move sim time back

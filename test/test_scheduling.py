@@ -11,7 +11,7 @@ import pytest
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.scheduling import ChunkScheduler, SchedulerConfig, SchedulerError, aggregate
 from vla_accel_ros.core.scheduling.aggregation import temporal_ensemble
-from vla_accel_ros.core.scheduling.sim import SyntheticFlowPolicy, constant_latency, preset, simulate
+from vla_accel_ros.bench.scheduler_sim import SyntheticFlowPolicy, constant_latency, preset, simulate
 from vla_accel_ros.core.types import ActionChunk
 
 DT = 0.02

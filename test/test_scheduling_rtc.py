@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from vla_accel_ros.core.scheduling import ChunkScheduler, SchedulerConfig, delay_steps, prefix_weights
-from vla_accel_ros.core.scheduling.sim import constant_latency, preset, simulate
+from vla_accel_ros.bench.scheduler_sim import constant_latency, preset, simulate
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
 
 DT = 0.02

@@ -72,7 +72,7 @@ def run_cache_bench(
     noise: float = 1.0,
     parity_check: bool = True,
 ) -> dict[str, Any]:
-    from vla_accel_ros.bench.synthetic import synthetic_observations
+    from vla_accel_ros.sim.synthetic import synthetic_observations
     from vla_accel_ros.core.bundle import Bundle, load_bundle
     from vla_accel_ros.models.factory import load_policy, sibling_policy
 

@@ -86,8 +86,7 @@ def run_engine_bench(policy, repeats: int = 5, fractions=(0.4, 0.6, 0.8)) -> lis
     flow = spec.family == "flow"
     decoder = policy.model.vlm if flow else policy.model.lm.model
     engine = policy.vlm_engine if flow else policy.engine
-    if flow:
-        policy._set_cache_layout(P)
+    policy.prepare_cache(layout)
     hf_mask = torch.ones(1, 1, P, P, dtype=torch.bool) if flow else None
     all_slots = layout.all_slots()
     full_step = StepPlan(slots=all_slots, positions=all_slots, output_slots=all_slots[-1:])

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from vla_accel_ros.core.errors import ConfigError
-from vla_accel_ros.core.scheduling.sim import PRESETS, SyntheticFlowPolicy, constant_latency, preset, simulate
+from vla_accel_ros.bench.scheduler_sim import PRESETS, SyntheticFlowPolicy, constant_latency, preset, simulate
 
 _COLUMNS = (  # header, SimResult -> value, format
     ("disc max", lambda r: r.metrics.boundary_disc_max, "{:.4f}"),

@@ -232,6 +232,12 @@ def flatten(config: Config, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def changed_fields(old: Config, new: Config) -> list[str]:
+    """Dotted names of the leaf fields that differ between two configs of one class, sorted."""
+    a, b = flatten(old), flatten(new)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
 def unflatten(values: Mapping[str, Any]) -> dict[str, Any]:
     """Inverse of :func:`flatten` on plain values."""
     out: dict[str, Any] = {}

@@ -85,6 +85,9 @@ class PrefixContext:
     # The model and KV cache this prefix runs on (one per policy instance): a planner that
     # carries cached state across frames resets when it changes (a bundle swap).
     source: str = ""
+    # The arm's motion mode from the controller (coarse | fine; Policy.set_motion_mode), for
+    # planners that prune by it; the others ignore it.
+    motion_mode: str = "coarse"
 
 
 class PrefixPlanner(Protocol):
@@ -113,3 +116,23 @@ class FullRecompute:
 
     def reset(self, reason: str = "explicit") -> None:
         pass
+
+
+def plan_stats(plan: PrefixPlan, layout: PrefixLayout, computed: list[int], mode: str) -> dict:
+    """The statistics every inference reports about its prefix (both families, every planner)."""
+    img = layout.image_slots()
+    lo, hi = int(img[0]), int(img[-1]) + 1
+    img_per_layer = [int(((s >= lo) & (s < hi)).sum()) for s in plan.layer_slots]
+    total_pairs = max(1, layout.num_image_tokens * len(plan.layer_slots))
+    stats = {
+        "mode": mode,
+        "tokens_total": layout.length,
+        "tokens_recomputed": int(plan.layer_slots[0].numel()),
+        "recomputed_per_layer": computed,
+        "image_recomputed_per_layer": img_per_layer,
+        "reuse_fraction": 1.0 - sum(img_per_layer) / total_pairs,
+        "cache_reset": bool(plan.reset_reason),
+        "reset_reason": plan.reset_reason,
+    }
+    stats.update(plan.stats)
+    return stats

@@ -1,15 +1,20 @@
 """The policy interface every part of the package speaks: observations in, action chunks out.
 
 Kept tiny on purpose (openpi style): ``infer(obs) -> ActionChunk`` and ``reset()``. Servers,
-recorders, the ROS policy node and the benchmarks all wrap a :class:`Policy`.
+recorders, the ROS policy node and the benchmarks all wrap a :class:`Policy`. The policies of
+this package also take run-time knobs through :class:`ConfigurablePolicy`'s two methods, the
+only way callers change them (nobody assigns a policy's ``config`` or ``planner``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from vla_accel_ros.core.policy_config import PolicyConfig
 
 
 @dataclass
@@ -96,4 +101,18 @@ class Policy(Protocol):
 
     def reset(self) -> None:
         """Forget everything carried between calls (caches, previous frames, chunk ids)."""
+        ...
+
+
+@runtime_checkable
+class ConfigurablePolicy(Policy, Protocol):
+    def configure(self, config: PolicyConfig) -> bool:
+        """Apply new run-time options (acceleration plan, cache thresholds, flow steps, ...)
+        atomically after validating them against the loaded model, or raise ``ConfigError``
+        and keep the old ones. Returns True when the prefix planner was rebuilt (caches empty).
+        Fields fixed at build time (parity_check, num_threads, seed) are refused."""
+        ...
+
+    def set_motion_mode(self, mode: str) -> None:
+        """``coarse`` | ``fine`` from the controller, for planners that prune by it."""
         ...

@@ -18,7 +18,7 @@ from vla_accel_ros.core.bundle import BundleSpec
 from vla_accel_ros.core.engine import DecoderStack, Engine, StepPlan
 from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.policy_config import PolicyConfig
-from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlan, PrefixPlanner
+from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner, plan_stats
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
 from vla_accel_ros.models.base import PolicyBase, StageTimer, VisionPrefix
 from vla_accel_ros.models.common import HashWordTokenizer, Normalizer, build_decoder
@@ -206,23 +206,3 @@ class ArPolicy(PolicyBase):
         """transformers' final hidden state of the whole prefix.  # [P, H]"""
         _, full = self.full_prefix(obs)
         return self.model.lm.model(inputs_embeds=full[None]).last_hidden_state[0]
-
-
-def plan_stats(plan: PrefixPlan, layout: PrefixLayout, computed: list[int], mode: str) -> dict:
-    """The statistics every inference reports about its prefix."""
-    img = layout.image_slots()
-    lo, hi = int(img[0]), int(img[-1]) + 1
-    img_per_layer = [int(((s >= lo) & (s < hi)).sum()) for s in plan.layer_slots]
-    total_pairs = max(1, layout.num_image_tokens * len(plan.layer_slots))
-    stats = {
-        "mode": mode,
-        "tokens_total": layout.length,
-        "tokens_recomputed": int(plan.layer_slots[0].numel()),
-        "recomputed_per_layer": computed,
-        "image_recomputed_per_layer": img_per_layer,
-        "reuse_fraction": 1.0 - sum(img_per_layer) / total_pairs,
-        "cache_reset": bool(plan.reset_reason),
-        "reset_reason": plan.reset_reason,
-    }
-    stats.update(plan.stats)
-    return stats

@@ -1,4 +1,6 @@
-"""What the two policy families share: prefix assembly, planning, timing, reset."""
+"""What the two policy families share: prefix assembly, planning, timing, reset, and the
+run-time interface (:meth:`PolicyBase.configure`, :meth:`PolicyBase.set_motion_mode`) that
+callers use instead of touching ``config`` or ``planner``."""
 
 from __future__ import annotations
 
@@ -7,16 +9,17 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
 from vla_accel_ros.core.bundle import BundleSpec
-import numpy as np
-
-from vla_accel_ros.core.errors import ObservationError
+from vla_accel_ros.core.config import changed_fields
+from vla_accel_ros.core.errors import ConfigError, ObservationError
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.engine import Engine, StepPlan
 from vla_accel_ros.core.prefix import FullRecompute, PrefixContext, PrefixLayout, PrefixPlan, PrefixPlanner
+from vla_accel_ros.core.robot.motion import MODE_NAMES
 from vla_accel_ros.core.types import Observation
 from vla_accel_ros.models.common import (
     Frames,
@@ -27,6 +30,19 @@ from vla_accel_ros.models.common import (
     format_instruction,
     preprocess_frames,
 )
+
+
+def make_planner(config: PolicyConfig) -> PrefixPlanner:
+    """The prefix planner ``config.accel`` names, fresh (its caches empty)."""
+    if config.accel == "none":
+        return FullRecompute()
+    if config.accel == "cache":
+        try:
+            from vla_accel_ros.core.cache import TokenCachePlanner
+        except ImportError as e:
+            raise ConfigError("accel='cache' needs vla_accel_ros.core.cache, which is not available") from e
+        return TokenCachePlanner(config.cache)
+    raise ConfigError(f"accel={config.accel!r} has no planner")
 
 
 class StageTimer:
@@ -64,6 +80,12 @@ class VisionPrefix(nn.Module):
 
 
 _INSTANCES = itertools.count()
+# PolicyConfig fields fixed when the policy is built: the parity gate ran, torch's thread count
+# is process-wide, the noise generator was seeded.
+_FIXED = ("parity_check", "num_threads", "seed")
+# Fields that do not change how the prefix is planned: changing them keeps the planner's caches.
+_NOT_PLANNER = {"flow_steps", "parity_tolerance", *_FIXED}
+MOTION_MODES = tuple(MODE_NAMES.values())
 
 
 class PolicyBase:
@@ -79,6 +101,7 @@ class PolicyBase:
         self._layouts: dict[str, tuple[PrefixLayout, list[int]]] = {}
         self._static: dict[str, torch.Tensor] = {}
         self._chunk_id = 0
+        self.motion_mode = MOTION_MODES[0]
         # Names this policy's KV cache in every PrefixContext (a counter, never reused like id()).
         self.source = f"{spec.name}#{next(_INSTANCES)}"
         self.state_norm = (
@@ -114,10 +137,46 @@ class PolicyBase:
         z = torch.from_numpy(self.state_norm.normalize_meanstd(state).astype(np.float32))
         return self.model.state_proj(z)
 
-    def _prepare(self, layout: PrefixLayout) -> None:
-        """Make the cache ready for a prefix of this layout."""
-
     prefix_engine: Engine
+
+    def prepare_cache(self, layout: PrefixLayout) -> None:
+        """Make the KV cache ready for a prefix of this layout. :meth:`infer` does it itself;
+        callers that drive the engines directly (the engine benchmark) call it first."""
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers of the prefix (what layer indices in a config are checked against)."""
+        return self.prefix_engine.stack.num_layers
+
+    # -- run-time interface -------------------------------------------------------------------
+    def check_config(self, config: PolicyConfig) -> None:
+        """Raise :class:`ConfigError` when :meth:`configure` would refuse ``config``."""
+        if not isinstance(config, PolicyConfig):
+            raise ConfigError(f"configure() takes a PolicyConfig, got {type(config).__name__}")
+        fixed = [k for k in changed_fields(self.config, config) if k in _FIXED]
+        if fixed:
+            raise ConfigError(f"policy.{', policy.'.join(fixed)} cannot change once the policy is built")
+        if config.accel == "cache":
+            config.cache.check_layers(self.num_layers)
+
+    def configure(self, config: PolicyConfig) -> bool:
+        """Apply new run-time options (acceleration, cache thresholds, flow steps, ...) all at
+        once, or refuse them with :class:`ConfigError` and change nothing. A change to how the
+        prefix is planned builds a new planner (its caches start empty); returns whether it did.
+        Call it between two inferences (never concurrently with :meth:`infer`)."""
+        self.check_config(config)
+        changed = changed_fields(self.config, config)
+        replan = any(k.split(".")[0] not in _NOT_PLANNER for k in changed)
+        planner = make_planner(config) if replan else self.planner  # may raise: nothing changed yet
+        self.config, self.planner = config, planner
+        return replan
+
+    def set_motion_mode(self, mode: str) -> None:
+        """The arm's motion mode from the controller (``coarse`` | ``fine``); planners that prune
+        by it see it in their PrefixContext, the others (all of today's) ignore it."""
+        if mode not in MOTION_MODES:
+            raise ConfigError(f"motion mode {mode!r} is not one of {', '.join(MOTION_MODES)}")
+        self.motion_mode = mode
 
     # -- shared steps -------------------------------------------------------------------------
     def text_ids(self, instruction: str) -> list[int]:
@@ -172,7 +231,7 @@ class PolicyBase:
     def engine_prefix_hidden(self, obs: Observation, plan: PrefixPlan | None = None) -> torch.Tensor:
         """The engine's final hidden states of the prefix rows computed at the last layer."""
         layout, ids = self.layout_for(obs.instruction)
-        self._prepare(layout)
+        self.prepare_cache(layout)
         frames = self.frames(obs)
         if plan is None:
             plan = PrefixPlan(layer_slots=[layout.all_slots()] * layout.num_layers)
@@ -209,7 +268,7 @@ class PolicyBase:
     def context(self, obs: Observation, layout: PrefixLayout, frames: Frames) -> PrefixContext:
         return PrefixContext(
             layout=layout, frames=frames.raw, instruction=obs.instruction, episode=obs.episode, stamp_ns=obs.stamp_ns,
-            source=self.source,
+            source=self.source, motion_mode=self.motion_mode,
         )
 
     def next_chunk_id(self) -> int:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from vla_accel_ros.core.bundle import Bundle, BundleSpec, count_parameters, load_bundle, save_bundle
-from vla_accel_ros.core.errors import BundleError, ConfigError, ParityError
+from vla_accel_ros.core.bundle import Bundle, BundleSpec, count_parameters, load_bundle, read_spec, save_bundle
+from vla_accel_ros.core.errors import BundleError, ConfigError, ParityError, VlaAccelError
 from vla_accel_ros.core.policy_config import PolicyConfig
-from vla_accel_ros.core.prefix import FullRecompute, PrefixPlanner
-from vla_accel_ros.core.robot.config import ALOHA_JOINT_NAMES, ALOHA_START_ARM
+from vla_accel_ros.core.robot.config import ALOHA_JOINT_NAMES, ALOHA_START_ARM, PolicyNodeConfig
+from vla_accel_ros.core.types import Observation
+from vla_accel_ros.core.prefix import PrefixPlanner
+from vla_accel_ros.models.base import make_planner
 from vla_accel_ros.models.common import skip_init
 
 ALOHA_START = np.array([*ALOHA_START_ARM, 0.5] * 2, dtype=np.float32)  # grippers half open
@@ -138,18 +141,6 @@ def model_from_bundle(bundle: Bundle) -> nn.Module:
     return model.eval()
 
 
-def make_planner(config: PolicyConfig) -> PrefixPlanner:
-    if config.accel == "none":
-        return FullRecompute()
-    if config.accel == "cache":
-        try:
-            from vla_accel_ros.core.cache import TokenCachePlanner
-        except ImportError as e:
-            raise ConfigError("accel='cache' needs vla_accel_ros.core.cache, which is not available") from e
-        return TokenCachePlanner(config.cache)
-    raise ConfigError(f"accel={config.accel!r} has no planner")
-
-
 def load_policy(
     bundle: str | Path | Bundle,
     config: PolicyConfig | None = None,
@@ -161,6 +152,32 @@ def load_policy(
     if not isinstance(bundle, Bundle):
         bundle = load_bundle(bundle)
     return build_policy(bundle.spec, model_from_bundle(bundle), config, planner=planner, where=str(bundle.path))
+
+
+def load_for_robot(cfg: PolicyNodeConfig, instruction: str = ""):
+    """The policy node's policy: the bundle checked against ``cfg.robot``, torch threads set,
+    loaded (through the parity gate) and, with ``cfg.warmup``, run once on a blank observation."""
+    if not cfg.bundle:
+        raise VlaAccelError("parameter 'bundle' is empty: give the path of a model bundle")
+    spec = read_spec(cfg.bundle)
+    if tuple(spec.joint_names) != tuple(cfg.robot.joint_names):
+        raise VlaAccelError(
+            f"the bundle's joint_names {list(spec.joint_names)} differ from robot.joint_names {list(cfg.robot.joint_names)}"
+        )
+    if spec.state_dim and spec.state_dim != cfg.robot.dim:
+        raise VlaAccelError(f"the bundle expects a {spec.state_dim}-D state, the robot has {cfg.robot.dim} joints")
+    if not cfg.policy.num_threads:
+        # torch's default takes every core; the control loop, the camera callbacks and DDS
+        # then wait behind inference (measured: 2 threads on 2 cores ran inference 10-30x
+        # slower than 1). Leave one core to the rest of the graph.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    policy = load_policy(cfg.bundle, cfg.policy)
+    if cfg.warmup:
+        blank = {c: np.zeros((spec.image_size, spec.image_size, 3), np.uint8) for c in spec.cameras}
+        state = np.zeros(spec.state_dim, np.float32) if spec.state_dim else None
+        policy.infer(Observation(images=blank, instruction=instruction, stamp_ns=0, state=state))
+        policy.reset()
+    return policy
 
 
 def build_policy(spec: BundleSpec, model: nn.Module, config: PolicyConfig | None = None, *, planner=None, where: str = ""):

@@ -23,9 +23,8 @@ from vla_accel_ros.core.engine import DecoderStack, Engine, StepPlan
 from vla_accel_ros.core.errors import ObservationError
 from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.policy_config import PolicyConfig
-from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner
+from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner, plan_stats
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
-from vla_accel_ros.models.ar import plan_stats
 from vla_accel_ros.models.base import PolicyBase, StageTimer, VisionPrefix
 from vla_accel_ros.models.common import Normalizer, build_decoder, sincos_embedding
 
@@ -104,10 +103,8 @@ class FlowPolicy(PolicyBase):
             num_layers=self.vlm_stack.num_layers,
         )  # fmt: skip
 
-    def _prepare(self, layout: PrefixLayout) -> None:
-        self._set_cache_layout(layout.length)
-
-    def _set_cache_layout(self, length: int) -> None:
+    def prepare_cache(self, layout: PrefixLayout) -> None:
+        length = layout.length
         if length != self._layout_len:
             # Prefix: one bidirectional block. Chunk: sees the prefix and itself.
             self.cache.set_layout([Segment(0, (Block(length, "bidirectional"), Block(self.spec.chunk_size, "bidirectional")))])
@@ -180,7 +177,7 @@ class FlowPolicy(PolicyBase):
         timer = StageTimer()
         with timer.stage("preprocess"):
             layout, ids = self.layout_for(obs.instruction)
-            self._set_cache_layout(layout.length)
+            self.prepare_cache(layout)
             frames = self.frames(obs)
             ctx = self.context(obs, layout, frames)
             x0 = self._noise(noise)

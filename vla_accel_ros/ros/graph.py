@@ -34,7 +34,8 @@ and the controller's ``command.*`` parameters, so the two always agree, and turn
 Recording: :func:`record_topics` is the one list of topics a recording of the graph holds
 (``aloha.launch.py record:=true`` and ``vla-accel record``): the graph's topics plus the layout
 ``vla-accel sim record`` writes (cameras, joint states, ``/action/joint_command``, ``/episode``,
-``/instruction``, ``/episode/success``), so ``vla-accel replay`` reads either.
+``/instruction``, ``/episode/success``; :class:`~vla_accel_ros.core.robot.topics.TopicLayout`),
+so ``vla-accel replay`` reads either.
 """
 
 from __future__ import annotations

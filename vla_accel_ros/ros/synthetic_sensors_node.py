@@ -1,6 +1,6 @@
 """synthetic_sensors_node: a stand-in robot so the closed loop runs without a simulator.
 
-Publishes ``vla_accel_ros.bench.synthetic.moving_arm_frames`` as ``sensor_msgs/Image`` (rgb8)
+Publishes ``vla_accel_ros.sim.synthetic.moving_arm_frames`` as ``sensor_msgs/Image`` (rgb8)
 on every camera topic, and joint states shaped like ALOHA's (per arm: the six joints, the
 gripper joint angle and the finger positions) that follow the controller's ``joint_state``
 commands exactly, a perfect position-controlled arm. Frames are precomputed and cycled so the
@@ -25,6 +25,7 @@ from vla_accel_ros.ros import qos
 from vla_accel_ros.ros.common import spin_node
 from vla_accel_ros.ros.conversions import header, rgb_to_image
 from vla_accel_ros.ros.params import ConfigParameters
+from vla_accel_ros.sim.synthetic import moving_arm_frames
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,6 @@ class SyntheticSensorsNode(Node):
         self.params = ConfigParameters(self, SyntheticConfig)
         cfg: SyntheticConfig = self.params.config
         robot = cfg.robot
-        from vla_accel_ros.bench.synthetic import moving_arm_frames  # noqa: PLC0415
-
         self._frames = [
             cycle(list(moving_arm_frames(cfg.frames, cfg.image_size, seed=k))) for k in range(len(cfg.camera_topics))
         ]

@@ -5,6 +5,11 @@
 * :class:`ScriptedExpert`, :func:`scripted_trajectory` - seeded waypoint demonstrations for
   ``transfer_cube`` and ``insertion``.
 * :func:`scripted_frames` - per-step frames (images, joint state, action, time) to record.
+* ``synthetic`` - a synthetic camera stream (a two-link arm over a textured table), no MuJoCo:
+  the cache benchmark's frames and the synthetic robot node's cameras.
+* ``live``, ``robot_io``, ``runner`` - the live simulator without ROS: pacing, latency, the
+  robot's joint states and commands, and :class:`~vla_accel_ros.sim.runner.SimRunner`, the
+  loop (pause, lockstep, policy sync, episodes) ``aloha_sim_node`` runs.
 
 dm_control and gym-aloha (requirements-sim.txt) are imported on first use, not here.
 """

@@ -1,6 +1,7 @@
 """What a live simulator loop needs besides the physics, without ROS: pacing against the
 wall clock, which steps render, obs-to-chunk latency on both clocks, episode bookkeeping and
-the arms' start pose. ``vla_accel_ros.ros.aloha_sim_node`` is the ROS side.
+the arms' start pose; :mod:`vla_accel_ros.sim.runner` runs the loop with them and
+``vla_accel_ros.ros.aloha_sim_node`` is the ROS side.
 
 Sim time advances exactly ``DT`` (20 ms) per step, as integer nanoseconds, never backwards
 (episodes follow one another on one clock), so every node of a ``use_sim_time`` graph sees

@@ -2,8 +2,11 @@
 controller nodes decide, as plain Python and NumPy so it is unit-tested without rclpy.
 
 Modules:
-    ``images``       raw ``sensor_msgs/Image`` fields -> RGB uint8, compressed decoding
-    ``observation``  per-camera latest frames, assembly with max age / skew, latest-only slots
+    ``images``       raw ``sensor_msgs/Image`` fields -> RGB uint8, compressed decoding, the one resize
+    ``topics``       the ALOHA topic conventions (cameras, joint states, actions, episodes)
+    ``observation``  the one observation rule: frames (max age / skew, resize) and state halves,
+                     both end to end for bags; latest-only slots and the observation channel
+    ``inference``    the policy node's worker: which observation, state, resets, statistics
     ``state``        joint-state topics -> the policy's state vector; gripper maps
     ``kinematics``   ViperX 300 s forward kinematics (ALOHA's follower arm)
     ``motion``       end-effector / joint speed estimates and the coarse|fine switch

@@ -4,7 +4,9 @@ timer with its own clock.
 
 Modules: ``queue`` (time-indexed plan on the tick grid), ``aggregation`` (overlap merging),
 ``rtc`` (Real-Time Chunking guidance; flow policies import :func:`prefix_weights`),
-``latency``, ``metrics``, ``scheduler``, ``sim`` (deterministic closed loop for tests/bench).
+``latency``, ``metrics``, ``scheduler``, ``control_loop`` (the action controller's tick
+without ROS; import it from its module). The deterministic closed loop of ``vla-accel bench
+scheduler`` is ``vla_accel_ros.bench.scheduler_sim``.
 """
 
 from vla_accel_ros.core.scheduling.aggregation import aggregate

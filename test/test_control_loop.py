@@ -1,0 +1,98 @@
+"""The action controller's tick without ROS (core/scheduling/control_loop.py), on a counter clock."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vla_accel_ros.core.robot.config import ALOHA_JOINT_NAMES, ControllerConfig, SafetyConfig
+from vla_accel_ros.core.scheduling.control_loop import ControlLoop
+from vla_accel_ros.core.types import ActionChunk
+
+DT = 20_000_000  # 50 Hz
+T0 = 1_000_000_000
+POSE = np.array([0.0, -0.96, 1.16, 0.0, -0.3, 0.0, 0.5] * 2)
+
+
+def _loop(**safety) -> ControlLoop:
+    return ControlLoop(ControllerConfig(safety=SafetyConfig(start_enabled=True, **safety)))
+
+
+def _chunk(stamp: int, value: float = 0.0, rows: int = 50, names=ALOHA_JOINT_NAMES) -> ActionChunk:
+    actions = np.repeat((POSE + value)[None], rows, axis=0).astype(np.float32)
+    return ActionChunk(actions=actions, stamp_ns=stamp, dt=0.02, chunk_id=1, joint_names=tuple(names))
+
+
+def test_requests_wait_for_an_announced_observation_and_chunks_become_commands():
+    loop = _loop()
+    out = loop.tick(T0, measured=POSE)
+    assert out.request is None and out.command is None  # nothing announced, nothing planned: hold nothing
+    out = loop.tick(T0 + DT, measured=POSE, obs_stamp_ns=T0 + DT)
+    assert out.request is not None and out.request.stamp_ns == T0 + DT and out.request_id == 1
+    assert loop.tick(T0 + 2 * DT, measured=POSE, obs_stamp_ns=T0 + DT).request is None  # asked already
+    loop.tick(T0 + 3 * DT, measured=POSE, chunks=[_chunk(T0 + DT, 0.01)], obs_stamp_ns=T0 + DT)
+    out = loop.tick(T0 + 4 * DT, measured=POSE, obs_stamp_ns=T0 + DT)
+    assert out.command is not None and out.command.shape == (14,)
+    np.testing.assert_allclose(out.command, POSE + 0.01, atol=1e-6)  # within the per-step clamp
+    assert (loop.chunks_in, loop.commands, loop.requests_out) == (1, 1, 1) and loop.got_chunk
+
+
+def test_watchdog_holds_the_last_command_when_chunks_stop():
+    loop = _loop(watchdog_periods=5)
+    loop.tick(T0, measured=POSE, chunks=[_chunk(T0, rows=3)])
+    warned = []
+    for k in range(1, 12):
+        out = loop.tick(T0 + k * DT, measured=POSE)
+        warned += out.warnings
+    assert loop.watchdog.tripped and loop.watchdog.trips == 1
+    assert any("watchdog" in w for w in warned)
+    assert out.command is not None and np.allclose(out.command, POSE)  # holding, still commanding
+    assert loop.holding_fraction() > 0.5
+
+
+def test_estop_stops_output_until_released_and_enabled():
+    loop = _loop()
+    loop.tick(T0, measured=POSE, chunks=[_chunk(T0)])
+    assert loop.tick(T0 + DT, measured=POSE).command is not None
+    assert loop.set_estop(True) and not loop.set_estop(True)
+    assert loop.tick(T0 + 2 * DT, measured=POSE).command is None
+    assert loop.set_enabled(True)[0] is False  # refused while the e-stop is active
+    loop.set_estop(False)
+    assert loop.tick(T0 + 3 * DT, measured=POSE).command is None  # released, not re-enabled
+    assert loop.set_enabled(True) == (True, "enabled")
+    loop.tick(T0 + 4 * DT, measured=POSE, chunks=[_chunk(T0 + 4 * DT)])
+    assert loop.tick(T0 + 5 * DT, measured=POSE).command is not None
+    assert loop.gating()[:2] == (True, False)
+
+
+def test_no_command_without_a_clamp_reference():
+    loop = _loop()
+    loop.tick(T0, measured=None, chunks=[_chunk(T0)])
+    out = loop.tick(T0 + DT, measured=None)
+    assert out.command is None and out.drops[0][0] == "no_reference"
+
+
+def test_a_clock_that_jumps_back_restarts_the_plan_and_may_ask_again():
+    loop = _loop()
+    assert loop.tick(T0, measured=POSE, obs_stamp_ns=T0).request is not None
+    out = loop.tick(DT, measured=POSE, obs_stamp_ns=T0)  # sim time restarted
+    assert any("jumped back" in w for w in out.warnings)
+    assert out.request is not None and out.request_id == 2  # the plan (and what was asked) is forgotten
+
+
+def test_stale_chunks_are_dropped_or_executed_late_on_request():
+    for mode, expect in (("drop", None), ("execute_last", 0.02)):
+        loop = ControlLoop(ControllerConfig(safety=SafetyConfig(start_enabled=True), stale_chunks=mode))
+        loop.tick(T0, measured=POSE)
+        loop.tick(T0 + 2 * DT, measured=POSE, chunks=[_chunk(T0 + DT // 2, 0.02, rows=1)])  # all past
+        out = loop.tick(T0 + 3 * DT, measured=POSE)
+        if expect is None:
+            assert out.command is None and loop.late_actions == 0
+        else:
+            np.testing.assert_allclose(out.command, POSE + expect, atol=1e-6)
+            assert loop.late_actions == 1
+
+
+def test_chunks_for_another_robot_are_dropped():
+    loop = _loop()
+    out = loop.tick(T0, measured=POSE, chunks=[_chunk(T0, names=[f"j{i}" for i in range(14)])])
+    assert out.drops[0][0] == "bad_chunk" and loop.chunks_in == 0

@@ -1,0 +1,141 @@
+"""The policy node's worker without ROS (core/robot/inference.py), around a stand-in policy."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.robot.config import PolicyNodeConfig, RobotConfig
+from vla_accel_ros.core.robot.inference import InferenceWorker, Request
+from vla_accel_ros.core.robot.motion import FINE
+from vla_accel_ros.core.robot.observation import AssembledObservation, ObservationChannel
+from vla_accel_ros.core.types import ActionChunk, ChunkGuidance
+
+MS = 1_000_000
+ROBOT = RobotConfig(
+    joint_names=("a_x", "b_x"), arms=("a", "b"), joint_state_topics=("/a", "/b"), joint_state_prefixes=("a_", "b_"), grippers=()
+)
+
+
+class FakePolicy:
+    """The public interface the worker may use, recorded."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.spec = SimpleNamespace(state_dim=2)
+        self.seen: list = []
+        self.resets = 0
+        self.modes: list[str] = []
+        self.configs: list[PolicyConfig] = []
+        self.refuse = refuse
+        self.planner_reset = ""  # what the planner itself would report
+
+    def infer(self, obs, *, noise=None, guidance=None) -> ActionChunk:
+        self.seen.append((obs, guidance))
+        stats = {"reset_reason": self.planner_reset}
+        return ActionChunk(np.zeros((2, 2), np.float32), obs.stamp_ns, 0.02, timings_ms={"total": 5.0}, stats=stats)
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def configure(self, config: PolicyConfig) -> bool:
+        if self.refuse:
+            raise ConfigError("policy.cache.relevance_layer=99 but the model has 4 layers")
+        self.configs.append(config)
+        return True
+
+    def set_motion_mode(self, mode: str) -> None:
+        self.modes.append(mode)
+
+
+def _worker(**cfg) -> tuple[InferenceWorker, FakePolicy, list, list]:
+    drops, logs = [], []
+    w = InferenceWorker(
+        PolicyNodeConfig(robot=ROBOT, request_wait_ms=0.0, **cfg), ObservationChannel(history=2),
+        drop=lambda r, d: drops.append(r), log=lambda lvl, t: logs.append((lvl, t)),
+    )  # fmt: skip
+    w.policy = FakePolicy()
+    w.state.update(0, ["x"], [1.0], 1000 * MS)
+    w.state.update(1, ["x"], [2.0], 1000 * MS)
+    return w, w.policy, drops, logs
+
+
+def _obs(stamp: int) -> AssembledObservation:
+    return AssembledObservation({"cam": np.zeros((4, 4, 3), np.uint8)}, stamp, 0, 0, 0)
+
+
+def _job(w: InferenceWorker, stamp_ms: int):
+    w.requests.put(Request(stamp_ms * MS, 1, 0))
+    return w.next_job(0.0)
+
+
+def test_a_request_gets_the_observation_it_names_with_its_guidance():
+    w, policy, drops, _ = _worker()
+    for s in (1000, 1020):
+        w.channel.put(s * MS, _obs(s * MS))
+    g = ChunkGuidance(np.zeros((2, 2), np.float32), 1, np.ones(2, np.float32))
+    w.requests.put(Request(1000 * MS, 7, FINE, g, has_guidance=True))
+    job = w.next_job(0.0)
+    assert job.stamp_ns == 1000 * MS and job.request_id == 7 and job.guidance is g
+    served = w.infer(job, lambda: 1050 * MS)
+    assert served.latency_ms == 50.0 and served.motion_mode == "fine" and policy.modes == ["fine"]
+    obs, guidance = policy.seen[-1]
+    np.testing.assert_array_equal(obs.state, [1.0, 2.0])
+    assert guidance is g and not drops and w.chunks == 1
+
+
+def test_a_request_for_a_forgotten_observation_is_served_by_the_newest_without_guidance():
+    w, _, drops, _ = _worker()
+    w.requests.put(Request(900 * MS, 1, 0))
+    assert w.next_job(0.0) is None and drops == ["no_observation"]
+    for s in (1000, 1020, 1040):  # history of 2: 1000 is gone
+        w.channel.put(s * MS, _obs(s * MS))
+    w.requests.put(Request(1000 * MS, 2, 0, has_guidance=True))
+    job = w.next_job(0.0)
+    assert job.stamp_ns == 1040 * MS and job.guidance is None and w.superseded == 1
+    assert drops[-1] == "guidance_dropped"
+
+
+def test_the_state_half_of_the_rule_gates_inference():
+    w, policy, drops, _ = _worker(max_state_age_ms=100.0)
+    w.channel.put(2000 * MS, _obs(2000 * MS))
+    assert w.infer(_job(w, 2000), lambda: 2000 * MS) is None  # joint states from 1000 ms
+    assert drops == ["stale_state"] and not policy.seen
+
+
+def test_resets_happen_between_inferences_and_are_counted_once():
+    w, policy, _, _ = _worker()
+    w.channel.put(1000 * MS, _obs(1000 * MS))
+    w.set_instruction("stack the cups")
+    w.apply(None)
+    assert policy.resets == 1
+    served = w.infer(_job(w, 1000), lambda: 1000 * MS)
+    assert served.reset_reason == "instruction" and policy.seen[-1][0].instruction == "stack the cups"
+    assert w.reset_episode() == 1 and w.channel.latest() is None  # frames of the old episode are gone
+    w.apply(None)
+    w.channel.put(1020 * MS, _obs(1020 * MS))
+    policy.planner_reset = "scene_cut"  # the planner's own reason does not count twice
+    served = w.infer(_job(w, 1020), lambda: 1020 * MS)
+    assert served.reset_reason == "episode" and policy.seen[-1][0].episode == 1 and w.resets_total == 2
+
+
+def test_continuous_trigger_takes_each_observation_once():
+    w, _, _, _ = _worker(trigger="continuous")
+    assert w.next_job(0.0) is None
+    w.channel.put(1000 * MS, _obs(1000 * MS))
+    assert w.next_job(0.0).stamp_ns == 1000 * MS
+    assert w.next_job(0.0) is None
+
+
+def test_new_policy_options_go_through_configure_or_are_logged_as_refused():
+    w, policy, _, logs = _worker()
+    new = PolicyNodeConfig(robot=ROBOT, request_wait_ms=0.0, policy=PolicyConfig(accel="cache"))
+    w.apply(new)
+    assert policy.configs == [new.policy] and logs[-1] == ("info", "applied policy.accel")
+    w.channel.put(1000 * MS, _obs(1000 * MS))
+    assert w.infer(_job(w, 1000), lambda: 1000 * MS).reset_reason == "config"
+    policy.refuse = True
+    w.apply(PolicyNodeConfig(robot=ROBOT, request_wait_ms=0.0, policy=PolicyConfig(accel="none")))
+    assert logs[-1][0] == "error" and "relevance_layer" in logs[-1][1]

@@ -1,0 +1,209 @@
+"""The policy node's worker without ROS: which observation to infer on, the state and the
+resets that go with it, one inference, and its statistics.
+
+:class:`InferenceWorker` is driven from one worker thread (``apply`` / ``next_job`` /
+``infer``), never inside a callback; the graph's inputs reach it from any thread through
+``set_instruction``, ``reset_episode``, ``set_motion_mode``, ``requests`` (latest-only) and
+the observation channel. It talks to the policy only through its public interface
+(``infer``, ``reset``, ``configure``, ``set_motion_mode``, ``check_config``).
+
+* ``trigger: request``: the controller names an observation by the stamp the node announced;
+  the request waits ``request_wait_ms`` for it, and when the history no longer holds it the
+  newest observation serves (counted as ``superseded``; its RTC guidance, indexed to the old
+  stamp, is dropped).
+* ``trigger: continuous``: the newest observation, each one once.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from vla_accel_ros.core.config import changed_fields
+from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.robot.config import PolicyNodeConfig
+from vla_accel_ros.core.robot.loop_stats import Percentiles
+from vla_accel_ros.core.robot.motion import COARSE, MODE_NAMES
+from vla_accel_ros.core.robot.observation import AssembledObservation, LatestSlot, ObservationChannel, StateGate
+from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
+
+
+@dataclass
+class Request:
+    """A chunk request, converted from its message."""
+
+    stamp_ns: int  # the observation it names
+    request_id: int
+    motion_mode: int
+    guidance: ChunkGuidance | None = None
+    has_guidance: bool = False
+    guidance_error: str = ""  # the message's guidance could not be read
+
+
+@dataclass
+class Job:
+    obs: AssembledObservation
+    stamp_ns: int
+    request_id: int = 0
+    guidance: ChunkGuidance | None = None
+    motion_mode: int | None = None
+
+
+@dataclass
+class Served:
+    """One inference, for the node to publish."""
+
+    chunk: ActionChunk
+    request_id: int
+    latency_ms: float  # observation stamp -> chunk, on the caller's clock
+    motion_mode: str
+    reset_reason: str  # why it started from an empty cache ('' when it did not)
+
+
+class InferenceWorker:
+    def __init__(
+        self,
+        config: PolicyNodeConfig,
+        channel: ObservationChannel,
+        *,
+        drop: Callable[[str, str], None],
+        log: Callable[[str, str], None],
+    ) -> None:
+        """``drop(reason, detail)``: an input not used; ``log(level, text)``: info | error."""
+        self.cfg = config  # what the worker runs with (swapped between inferences)
+        self.channel = channel
+        self._drop, self._log = drop, log
+        self.lock = threading.Lock()  # instruction, episode, pending resets, the state gate
+        self.state = StateGate(config.robot, max_state_age_ns=int(config.max_state_age_ms * 1e6))  # the rule's state half
+        self.requests: LatestSlot[Request] = LatestSlot()
+        self.policy: Any = None  # a ConfigurablePolicy once loaded
+        self._stop = threading.Event()
+        self._seen_seq = 0
+        self._instruction = ""  # from the topic; '' = the parameter / the bundle's default
+        self.episode = 0
+        self._pending_reset = ""
+        self._reset_reason = ""
+        self.motion_mode = COARSE
+        self.chunks = self.superseded = self.resets_total = 0  # superseded: served with a newer observation
+        self.latency, self.infer_ms = Percentiles(), Percentiles()
+
+    # -- inputs, from any thread -------------------------------------------------------------------
+    def set_instruction(self, text: str) -> None:
+        with self.lock:
+            if text != self._instruction:
+                self._instruction = text
+                self._pending_reset = self._pending_reset or "instruction"
+
+    def reset_episode(self) -> int:
+        """A new episode: the policy resets before the next inference. Returns its index."""
+        with self.lock:
+            self.episode += 1
+            self._pending_reset = "episode"
+            episode = self.episode
+        self.channel.clear()  # frames of the old episode must not seed the new one
+        return episode
+
+    def set_motion_mode(self, mode: int) -> None:
+        self.motion_mode = int(mode)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.requests.put(Request(-1, -1, COARSE))  # wake a worker waiting for one
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def instruction_text(self) -> str:
+        return self._instruction or self.cfg.instruction or ""
+
+    def reset_counts(self) -> None:
+        self.chunks = 0
+        self.latency, self.infer_ms = Percentiles(), Percentiles()
+
+    # -- the worker thread ----------------------------------------------------------------------
+    def apply(self, new: PolicyNodeConfig | None) -> None:
+        """Between two inferences: swap in an accepted config, run pending resets."""
+        if new is not None:
+            old, self.cfg = self.cfg, new
+            with self.lock:
+                self.state.set_limit(max_state_age_ns=int(new.max_state_age_ms * 1e6))
+            if self.policy is not None and new.policy != old.policy:
+                self._configure(old, new)
+            if new.instruction != old.instruction and not self._instruction:
+                with self.lock:
+                    self._pending_reset = self._pending_reset or "instruction"
+        with self.lock:
+            reason, self._pending_reset = self._pending_reset, ""
+        if reason and self.policy is not None:
+            self.policy.reset()
+            self._reset_reason = reason
+
+    def _configure(self, old: PolicyNodeConfig, new: PolicyNodeConfig) -> None:
+        try:
+            if self.policy.configure(new.policy):  # a fresh planner: its caches start empty
+                self._reset_reason = "config"
+        except ConfigError as e:  # checked when set; the policy keeps its old options
+            self._log("error", f"policy options not applied: {e}")
+            return
+        self._log("info", f"applied policy.{', policy.'.join(changed_fields(old.policy, new.policy))}")
+
+    def next_job(self, timeout_s: float = 0.1) -> Job | None:
+        """The observation to infer on next, or None (nothing within ``timeout_s``, or stopped)."""
+        if self._stop.is_set():
+            return None
+        if self.cfg.trigger == "continuous":
+            if not self.channel.wait_newer(self._seen_seq, timeout_s):
+                return None
+            self._seen_seq = self.channel.seq
+            latest = self.channel.latest()
+            return None if latest is None else Job(latest[1], latest[0])
+        if not self.requests.wait(timeout_s):
+            return None
+        req = self.requests.take()
+        if req is None or self._stop.is_set():
+            return None
+        obs = self.channel.wait_for_stamp(req.stamp_ns, self.cfg.request_wait_ms / 1e3)
+        if obs is not None:
+            if req.guidance_error:
+                self._drop("bad_guidance", req.guidance_error)
+            return Job(obs, req.stamp_ns, req.request_id, req.guidance, req.motion_mode)
+        latest = self.channel.latest()
+        if latest is None:
+            self._drop("no_observation", f"request {req.request_id}: no observation held")
+            return None
+        # The request waited longer than the history covers (the worker was busy or still
+        # loading): the newest observation serves it, stamped as what it is. Only the RTC
+        # guidance, indexed to the old stamp, cannot be used.
+        self.superseded += 1
+        if req.has_guidance:
+            self._drop(
+                "guidance_dropped",
+                f"request {req.request_id}: observation {req.stamp_ns} no longer held; inferring on the newest without guidance",
+            )
+        return Job(latest[1], latest[0], req.request_id, None, req.motion_mode)
+
+    def infer(self, job: Job, now_ns: Callable[[], int]) -> Served | None:
+        """One inference on ``job`` (None: its state was rejected, and dropped with the reason)."""
+        policy = self.policy
+        with self.lock:
+            state = self.state.state_for(job.stamp_ns) if policy.spec.state_dim else None
+            reason, why = self.state.last_reason, self.state.last_reject
+            episode = self.episode
+        if policy.spec.state_dim and state is None:
+            self._drop(reason, why)
+            return None
+        mode = MODE_NAMES.get(self.motion_mode if job.motion_mode is None else job.motion_mode, "coarse")
+        policy.set_motion_mode(mode)
+        obs = Observation(images=job.obs.images, instruction=self.instruction_text(), stamp_ns=job.stamp_ns, state=state, episode=episode)
+        chunk = policy.infer(obs, guidance=job.guidance)
+        latency_ms = (now_ns() - job.stamp_ns) / 1e6
+        # One count per inference that started from an empty cache, whoever decided it: the
+        # node (instruction, episode, config) or the planner itself (scene cut, camera change).
+        reset, self._reset_reason = self._reset_reason or str(chunk.stats.get("reset_reason", "")), ""
+        self.resets_total += bool(reset)
+        self.chunks += 1
+        self.latency.add(latency_ms)
+        self.infer_ms.add(float(chunk.timings_ms.get("total", float("nan"))))
+        return Served(chunk, job.request_id, latency_ms, mode, reset)

@@ -1,0 +1,209 @@
+"""The action controller's tick without ROS: what ``action_controller_node`` does every control
+period, as a class the tests drive with a counter for a clock.
+
+Every :meth:`ControlLoop.tick`:
+
+1. a clock that jumped back (sim time restarted, a bag looped), or an enable / e-stop change,
+   restarts the plan from the measured pose;
+2. the watchdog: ``safety.watchdog_periods`` ticks without a fresh chunk -> hold position
+   (the scheduler restarts from the last command and blends into the next chunk);
+3. ``scheduler.step`` -> safety filter (limits, per-step clamp) -> the command to send, unless
+   output is disabled or the e-stop is active;
+4. motion estimate (ViperX FK) of the command: coarse | fine with hysteresis; entering fine
+   asks for a new chunk at once;
+5. the chunks that arrived are merged (after the step, so the scheduler's grid is anchored on
+   the ticks); a chunk that is all past executes its last action late only with
+   ``stale_chunks: execute_last``;
+6. when the scheduler wants a chunk and the policy announced an observation not asked for
+   yet: an inference request for it (with Real-Time Chunking guidance when ``scheduler.rtc``).
+
+The node converts messages, calls :meth:`tick` from its timer and publishes the
+:class:`TickOutput`. Enable and e-stop come from other threads (a service, a latched topic):
+:meth:`set_enabled` / :meth:`set_estop` are thread-safe and take effect at the next tick.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+
+from vla_accel_ros.core.errors import SchedulerError
+from vla_accel_ros.core.robot.config import ControllerConfig
+from vla_accel_ros.core.robot.motion import MotionEstimate, MotionEstimator
+from vla_accel_ros.core.robot.safety import SafetyFilter, Watchdog
+from vla_accel_ros.core.scheduling.scheduler import ChunkScheduler, InferenceRequest
+from vla_accel_ros.core.types import ActionChunk
+
+
+@dataclass
+class TickOutput:
+    command: np.ndarray | None = None  # [D] for the command backend (robot units of the action space)
+    motion: MotionEstimate | None = None  # to publish: on a switch and every motion.publish_every ticks
+    request: InferenceRequest | None = None  # to send as a chunk request
+    request_id: int = 0
+    replan: bool = False  # the request was forced by a switch into fine motion
+    drops: list[tuple[str, str]] = field(default_factory=list)  # (reason, detail): inputs not used
+    warnings: list[str] = field(default_factory=list)  # to log
+
+
+class ControlLoop:
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self.scheduler = ChunkScheduler(config.scheduler)
+        self.safety = SafetyFilter(config.robot, config.safety)
+        self.watchdog = Watchdog(config.safety.watchdog_periods)
+        self.motion = MotionEstimator(config.robot, config.motion, config.scheduler.dt)
+        self._lock = threading.Lock()  # the safety gating, shared with enable / e-stop callers
+        self._restart = False  # enable / e-stop changed: restart the plan from the measured pose
+        self.tick_count = 0
+        self.commands = self.chunks_in = self.requests_out = self.late_actions = 0
+        self.got_chunk = False  # waiting for the very first chunk is start-up, not holding
+        self.holding_ticks = self.steps = 0
+        self._request_id = 0
+        self._last_requested = -1  # newest observation stamp asked for
+        self._force_request = False
+        self._last_now: int | None = None
+
+    # -- from other threads --------------------------------------------------------------------
+    def set_estop(self, active: bool) -> bool:
+        """Returns True when the state changed (releasing it keeps output disabled when
+        ``safety.estop_requires_enable``)."""
+        with self._lock:
+            changed = self.safety.set_estop(active)
+            self._restart = self._restart or changed
+        return changed
+
+    def set_enabled(self, enabled: bool) -> tuple[bool, str]:
+        with self._lock:
+            ok, message = self.safety.set_enabled(bool(enabled))
+            self._restart = self._restart or ok
+        return ok, message
+
+    def gating(self) -> tuple[bool, bool, int, int]:
+        """(enabled, e-stop, commands limited, commands clamped), read consistently."""
+        with self._lock:
+            s = self.safety
+            return s.enabled, s.estop, s.limited, s.clamped
+
+    # -- between two ticks ---------------------------------------------------------------------
+    def set_config(self, config: ControllerConfig) -> None:
+        """An accepted parameter change, all at once (the scheduler reads its config on every call)."""
+        self.config = config
+        self.scheduler.config = config.scheduler
+        with self._lock:
+            self.safety.set_config(config.safety)
+        self.watchdog.periods = config.safety.watchdog_periods
+        self.motion.set_config(config.motion)
+
+    def holding_fraction(self) -> float:
+        return self.holding_ticks / max(1, self.steps)
+
+    def reset_counts(self) -> None:
+        self.commands = self.chunks_in = self.requests_out = 0
+        self.holding_ticks = self.steps = 0
+
+    # -- the tick ------------------------------------------------------------------------------
+    def tick(
+        self, now_ns: int, *, measured: np.ndarray | None, chunks: Sequence[ActionChunk] = (), obs_stamp_ns: int = -1
+    ) -> TickOutput:
+        """One control period at ``now_ns``. ``measured`` [D]: the joint state (None before the
+        first); ``chunks``: those that arrived since the last tick; ``obs_stamp_ns``: the newest
+        observation the policy announced (-1: none yet)."""
+        out = TickOutput()
+        self.tick_count += 1
+        with self._lock:
+            restart, self._restart = self._restart, False
+            allowed = self.safety.output_allowed
+        if self._last_now is not None and now_ns < self._last_now:  # the plan is meaningless now
+            out.warnings.append("the clock jumped back: restarting the plan")
+            restart = True
+        self._last_now = int(now_ns)
+        if restart:
+            self._restart_plan(measured)
+        if self.watchdog.check(self.tick_count):
+            out.warnings.append(f"watchdog: no fresh chunk for {self.watchdog.periods} periods; holding position")
+            last = self.safety.last_command
+            self.scheduler.reset(hold_action=last if last is not None else measured)
+            self.motion.reset()
+
+        result = self.scheduler.step(now_ns)
+        if self.got_chunk:
+            self.steps += 1
+            self.holding_ticks += bool(result.holding)
+        action = result.action
+        if action is not None and allowed and not self.safety.has_reference(measured):
+            out.drops.append(("no_reference", "no joint states yet: the first command could not be clamped; not commanding"))
+        elif action is not None and allowed:
+            with self._lock:
+                out.command = self.safety.filter(action, measured).command
+            self.commands += 1
+            self._motion_step(out, out.command)
+        elif not allowed:
+            with self._lock:
+                self.safety.forget()
+        # Chunks merge after the step: the step of a fresh plan anchors the scheduler's grid on
+        # these ticks (a chunk stamp, camera time, would put ticks anywhere between two slots,
+        # and timer jitter would then repeat and skip slots). They execute from the next tick.
+        for chunk in chunks:
+            self._add_chunk(out, chunk, now_ns)
+        if self.config.request_chunks:
+            self._maybe_request(out, now_ns, obs_stamp_ns)
+        return out
+
+    def _restart_plan(self, measured: np.ndarray | None) -> None:
+        last = self.safety.last_command
+        self.scheduler.reset(hold_action=measured if measured is not None else last)
+        self.watchdog.reset()
+        self.motion.reset()
+        self._last_requested = -1
+
+    def _add_chunk(self, out: TickOutput, chunk: ActionChunk, now_ns: int) -> None:
+        cfg = self.config
+        try:
+            if chunk.joint_names and tuple(chunk.joint_names) != tuple(cfg.robot.joint_names):
+                raise SchedulerError(f"chunk {chunk.chunk_id} joint_names {list(chunk.joint_names)} differ from robot.joint_names")
+            self.scheduler.add_chunk(chunk, now_ns)
+            # Nothing planned even after this chunk: all of it was in the past (a 1-action chunk
+            # stamped between two ticks covers no tick at all).
+            if self.scheduler.pending == 0 and cfg.stale_chunks == "execute_last":
+                # Opt-in late execution: the newest action, re-stamped to span [now + dt/2,
+                # now + 3dt/2], which holds exactly the next tick whatever the timer's phase.
+                dt = cfg.scheduler.dt
+                late = replace(
+                    chunk, actions=np.repeat(chunk.actions[-1:], 2, axis=0), stamp_ns=now_ns + int(dt * 0.5e9), dt=dt
+                )
+                self.scheduler.add_chunk(late, now_ns)
+                self.late_actions += 1
+        except (ValueError, SchedulerError) as e:
+            out.drops.append(("bad_chunk", str(e)))
+            return
+        self.chunks_in += 1
+        self.got_chunk = True
+        self.watchdog.chunk(self.tick_count)
+
+    def _motion_step(self, out: TickOutput, cmd: np.ndarray) -> None:
+        est = self.motion.update(cmd)
+        if est.replan and self.config.request_chunks:
+            self._force_request = True
+        if est.switched or self.tick_count % self.config.motion.publish_every == 0:
+            out.motion = est
+
+    def _maybe_request(self, out: TickOutput, now_ns: int, obs_stamp_ns: int) -> None:
+        if obs_stamp_ns <= self._last_requested:
+            return  # nothing new to infer from (also: the policy has not announced anything yet)
+        forced = self._force_request and self.scheduler.in_flight is None
+        if not (forced or self.scheduler.wants_inference(now_ns)):
+            return
+        try:
+            out.request = self.scheduler.request_inference(now_ns, obs_stamp_ns)
+        except SchedulerError as e:
+            out.drops.append(("request", str(e)))
+            return
+        self._force_request = False
+        self._request_id += 1
+        self._last_requested = obs_stamp_ns
+        out.request_id, out.replan = self._request_id, forced
+        self.requests_out += 1
