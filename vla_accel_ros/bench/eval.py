@@ -100,8 +100,15 @@ class GraphConfigs:
     robot: Any
     camera: Any
     policy_node: Any
-    scheduler: Any
-    safety: Any
+    controller: Any  # ControllerConfig, output enabled
+
+    @property
+    def scheduler(self):
+        return self.controller.scheduler
+
+    @property
+    def safety(self):
+        return self.controller.safety
 
     def sync(self, image_size: int):
         """The observation rule's limits as the camera and policy nodes hold them."""
@@ -129,9 +136,8 @@ class GraphConfigs:
         camera = section("camera_node", CameraConfig)
         policy_node = section("policy_node", PolicyNodeConfig)
         # A simulated arm needs no enable call: output starts enabled.
-        safety = controller.safety.replace(start_enabled=True)
-        return cls(robot=controller.robot, camera=camera, policy_node=policy_node, scheduler=controller.scheduler,
-                   safety=safety)  # fmt: skip
+        controller = controller.replace(safety=controller.safety.replace(start_enabled=True))
+        return cls(robot=controller.robot, camera=camera, policy_node=policy_node, controller=controller)
 
 
 class SimRobot:
@@ -208,52 +214,54 @@ class EpisodeResult:
     inferences: int
     latency_ms: list[float]
     holding_fraction: float
+    fine_fraction: float  # control ticks the controller's motion switch spent in fine mode
 
 
 def run_episode(robot: SimRobot, policy, graph: GraphConfigs, seed: int, cfg: EvalConfig, noise_seed: int) -> EpisodeResult:
-    """One closed-loop episode on simulated time (see the module docstring)."""
-    from vla_accel_ros.core.robot.safety import SafetyFilter
-    from vla_accel_ros.core.scheduling import ChunkScheduler
+    """One closed-loop episode on simulated time, the graph's tick order: the controller's tick
+    (:class:`ControlLoop`: scheduler, safety filter, motion switch, request gating) at every
+    20 ms step; a requested observation is rendered at that instant (the camera node would have
+    announced it); its chunk reaches the controller at the next tick it has arrived by."""
+    from vla_accel_ros.core.robot.motion import FINE, MODE_NAMES
+    from vla_accel_ros.core.scheduling.control_loop import ControlLoop
     from vla_accel_ros.sim.live import DT_NS
 
     spec = policy.spec
     robot.reset(seed)
     policy.reset()
-    scheduler = ChunkScheduler(graph.scheduler)
-    safety = SafetyFilter(graph.robot, graph.safety)
+    loop = ControlLoop(graph.controller)
     now = DT_NS  # as aloha_sim_node: sim time starts one tick in
     robot.publish_state(now)
-    scheduler.reset(hold_action=robot.measured())
+    target = robot.measured()  # the simulator holds its start pose until commanded
     rng = np.random.default_rng((noise_seed, seed))
     in_flight: list[tuple[int, Any]] = []  # (arrival time, chunk)
     latencies: list[float] = []
-    holding = 0
+    fine = 0
     for _ in range(cfg.steps):
         robot.publish_state(now)
-        measured = robot.measured()
-        result = scheduler.step(now)
-        holding += bool(result.holding)
-        action = result.action if result.action is not None else measured
-        command = safety.filter(action, measured).command
         arrived = [c for t, c in in_flight if t <= now]
         in_flight = [(t, c) for t, c in in_flight if t > now]
-        for chunk in arrived:
-            scheduler.add_chunk(chunk, now)
-        if not in_flight and scheduler.wants_inference(now):
+        out = loop.tick(now, measured=robot.measured(), chunks=arrived, obs_stamp_ns=now)
+        fine += loop.motion.mode == FINE
+        if out.command is not None:
+            target = out.command
+        if out.request is not None:
             obs = robot.observe(now)
             if obs is not None:
-                request = scheduler.request_inference(now, obs.stamp_ns)
+                policy.set_motion_mode(MODE_NAMES[loop.motion.mode])
                 noise = rng.standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
-                chunk = policy.infer(obs, noise=noise, guidance=request.guidance)
+                chunk = policy.infer(obs, noise=noise, guidance=out.request.guidance)
                 ms = float(chunk.timings_ms["total"])
                 latencies.append(ms)
-                if cfg.latency == "zero":
-                    scheduler.add_chunk(chunk, now)
-                else:
-                    in_flight.append((now + int(ms * 1e6), chunk))
-        robot.step(command)
+                # zero: the simulator waits for the chunk (aloha_sim_node's policy_sync), so it
+                # is in the controller's inbox at the next tick.
+                delay = 0 if cfg.latency == "zero" else int(ms * 1e6)
+                in_flight.append((now + max(delay, 1), chunk))
+        robot.step(target)
         now += DT_NS
-    return EpisodeResult(seed, robot.success, robot.reward, len(latencies), latencies, holding / cfg.steps)
+    return EpisodeResult(
+        seed, robot.success, robot.reward, len(latencies), latencies, loop.holding_fraction(), fine / cfg.steps
+    )
 
 
 # ------------------------------------------------------------------------------ open loop
@@ -387,6 +395,7 @@ def summarize_mode(run, results: list[EpisodeResult], open_loop: dict[str, Any])
         "latency_ms": distribution(lat) if lat else {"p50": float("nan"), "p95": float("nan")},
         "inferences_per_episode": float(np.mean([r.inferences for r in results])),
         "holding_fraction": float(np.mean([r.holding_fraction for r in results])),
+        "fine_fraction": float(np.mean([r.fine_fraction for r in results])),
         "open_loop_error": open_loop,
         "per_episode": [{"seed": r.seed, "success": r.success, "max_reward": r.max_reward} for r in results],
     }
