@@ -442,3 +442,31 @@ def test_scene_cut_recomputes_the_camera():
     assert plan.stats["scene_cut"] and plan.stats["scene_cut_cameras"] == 1 and not plan.full
     reused = planner.last.reused
     assert int(reused[1].sum()) == 0 and int(reused[0].sum()) == 256
+
+
+@pytest.mark.parametrize("change", ["exposure", "view"])
+def test_photometric_and_view_changes_are_not_static(change):
+    """Halving every pixel keeps the raw-pixel cosine at 1: the relative-change test catches it,
+    and a frame where most patches changed is a scene cut (nothing reused). The paper's rule
+    (cosine only, the `paper-rule` preset) is kept available and still reuses there."""
+    from vla_accel_ros.bench.cache_bench import PRESETS
+
+    lay = _layout()
+    image = _image(0)
+    if change == "exposure":
+        changed = (image // 2).astype(np.uint8)
+    else:  # the camera moved: the same texture, shifted by 5 pixels
+        changed = np.roll(image, 5, axis=1)
+    reused = {}
+    for name, cfg in (("default", {}), ("paper-rule", PRESETS["paper-rule"])):
+        planner = TokenCachePlanner(CacheConfig(**MAX_REUSE, **cfg))
+        for frame in (image, changed):
+            ctx = _ctx(lay)
+            ctx.frames[0] = torch.from_numpy(frame)
+            plan = _step(planner, ctx)
+        reused[name] = int(planner.last.reused.sum())
+        if name == "default":
+            assert plan.reset_reason == "scene_cut" and plan.full
+    assert reused["default"] == 0
+    if change == "exposure":
+        assert reused["paper-rule"] == 256  # the cosine alone calls every halved patch static

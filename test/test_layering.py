@@ -1,8 +1,9 @@
 """The package's rooms import only downward: the layering, proved by walking every import.
 
 core (engine, cache, scheduling, robot logic) imports nothing else of the package but the
-kernels; models build on core; io and sim are ROS-free rooms on core; bench measures with
-all of those; ros is the only room with rclpy and never imports a benchmark; cli ties them.
+kernels; models build on core; io and sim are ROS-free rooms on core; train learns bundles with
+models and io; bench measures with all of those; ros is the only room with rclpy and never
+imports a benchmark; cli ties them.
 Function-level (lazy) imports count too: a lazy import is still a dependency.
 """
 
@@ -24,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"models", "core", "kernels"},
     "io": {"io", "core"},
     "sim": {"sim", "core"},
+    "train": {"train", "models", "io", "core", "kernels"},
     "bench": {"bench", "models", "io", "sim", "core", "kernels"},
     "ros": {"ros", "msg", "models", "io", "sim", "core"},
 }

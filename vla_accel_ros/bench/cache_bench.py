@@ -34,6 +34,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "public-code": {"topk_reuse": 140, "relevance_mode": "topk", "relevance_topk": 100},
     # The paper's entropy schedule (reuses almost nothing when attention is flat, e.g. random weights).
     "entropy": {"layer_schedule": "entropy", "relevance_mode": "off", "topk_reuse": 256},
+    # The paper's static rule alone: raw-pixel cosine, no intensity test, no scene cut.
+    "paper-rule": {"max_relative_change": 1e6, "scene_cut_fraction": 0.0},
 }
 
 STAGES = ("preprocess", "select", "vision", "prefill", "decode", "denoise", "postprocess", "total")

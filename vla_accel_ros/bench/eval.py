@@ -24,7 +24,6 @@ held-out demonstrations (expert trajectories for the first evaluation seeds), ev
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import time
@@ -120,21 +119,14 @@ class GraphConfigs:
 
     @classmethod
     def load(cls, path: Path | None) -> "GraphConfigs":
-        """From a ROS 2 parameter file, read the way rcl reads it (``ros.graph`` imports no rclpy)."""
-        from vla_accel_ros.core.config import unflatten
+        """From the graph's ROS 2 parameter file (default: the package's config/aloha.yaml)."""
+        from vla_accel_ros.core.params_file import default_params_file, load_params, node_config
         from vla_accel_ros.core.robot.config import CameraConfig, ControllerConfig, PolicyNodeConfig
-        from vla_accel_ros.ros.graph import default_params_file, load_params, node_parameters
 
         params = load_params(path or default_params_file())
-
-        def section(node: str, cls):
-            values = unflatten(node_parameters(params, node))
-            names = {f.name for f in dataclasses.fields(cls)}  # the /** section also holds other nodes' keys
-            return cls.from_dict({k: v for k, v in values.items() if k in names})
-
-        controller = section("action_controller_node", ControllerConfig)
-        camera = section("camera_node", CameraConfig)
-        policy_node = section("policy_node", PolicyNodeConfig)
+        controller = node_config(params, "action_controller_node", ControllerConfig)
+        camera = node_config(params, "camera_node", CameraConfig)
+        policy_node = node_config(params, "policy_node", PolicyNodeConfig)
         # A simulated arm needs no enable call: output starts enabled.
         controller = controller.replace(safety=controller.safety.replace(start_enabled=True))
         return cls(robot=controller.robot, camera=camera, policy_node=policy_node, controller=controller)

@@ -42,7 +42,15 @@ class Mode:
     doc: str = ""
 
 
-# Adding a mode (e.g. token pruning, once PolicyConfig offers it) is one line here.
+# Named pruning configurations (overrides of PruneConfig()).
+PRUNE_PRESETS: dict[str, dict[str, Any]] = {
+    # Static pruning only (self-speculation, global, dynamic tokens), no layer-level pruning.
+    "static": {"dynamic_layers": ()},
+    # Fewer tokens kept at every stage.
+    "aggressive": {"keep_global": 32, "keep_local": 32, "keep_dynamic": 16, "dynamic_keep": 0.7},
+}
+
+# Adding a mode is one line here.
 MODES: dict[str, Mode] = {
     "baseline": Mode({"accel": "none"}, doc="the engine, full prefix recompute every frame (the reference)"),
     "transformers": Mode({"accel": "none"}, reference=True, doc="transformers' own forward and DynamicCache"),
@@ -52,6 +60,15 @@ MODES: dict[str, Mode] = {
         for name, preset in PRESETS.items()
         if name != "default"
     },
+    "prune": Mode({"accel": "prune"}, doc="SpecPrune-VLA token pruning, default settings"),
+    **{
+        f"prune-{name}": Mode({"accel": "prune", "prune": dict(p)}, doc=f"token pruning, preset {name!r}")
+        for name, p in PRUNE_PRESETS.items()
+    },
+    "cache+prune": Mode({"accel": "cache+prune"}, doc="token cache and pruning in one plan, default settings"),
+    "cache+prune-aggressive": Mode(
+        {"accel": "cache+prune", "prune": dict(PRUNE_PRESETS["aggressive"])}, doc="token cache with aggressive pruning"
+    ),
 }
 BASELINE = "baseline"
 
@@ -160,7 +177,7 @@ def _policy_config(mode: Mode, cfg: ReplayConfig):
     from vla_accel_ros.core.policy_config import PolicyConfig
 
     fields = {k: (dict(v) if isinstance(v, dict) else v) for k, v in mode.policy.items()}
-    if fields.get("accel") == "cache" and cfg.cache_overrides:
+    if fields.get("accel") in ("cache", "cache+prune") and cfg.cache_overrides:
         fields["cache"] = {**fields.get("cache", {}), **cfg.cache_overrides}
     # The transformers path is what the parity gate compares against; gating it is moot.
     fields.update(
@@ -324,6 +341,7 @@ def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
     for r in runs:
         lat = np.asarray(r.latency)
         reuse = [float(s.get("reuse_fraction", 0.0)) for s in r.stats]  # transformers: no reuse
+        kept = [float(s.get("tokens_kept_fraction", 1.0)) for s in r.stats]
         dev, dev_series = deviation(r, ref, std, spec.family)
         components = sorted({k for f in r.flops for k in f})
         stages = [s for s in STAGES if any(s in t for t in r.stages)]
@@ -340,6 +358,11 @@ def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
             "speedup_paired_median": float(np.median(base / lat)),
             "deviation": dev,
             "reuse_fraction": {"mean": float(np.mean(reuse)), "min": float(np.min(reuse)), "max": float(np.max(reuse))},
+            # image token-layers not dropped by pruning (1: nothing pruned), per layer as well
+            "tokens_kept_fraction": {"mean": float(np.mean(kept)), "min": float(np.min(kept)), "max": float(np.max(kept))},
+            "tokens_kept_per_layer_mean": [
+                round(float(x), 1) for x in np.mean([s.get("image_kept_per_layer", [0]) for s in r.stats], axis=0)
+            ] if r.stats and "image_kept_per_layer" in r.stats[0] else [],
             # Prefix rows computed per LM layer (the transformers path computes all of them).
             "prefix_len": max(w.prefix_len for w in r.work),
             "rows_per_layer_mean": [round(float(x), 1) for x in np.mean([w.rows_per_layer for w in r.work], axis=0)],

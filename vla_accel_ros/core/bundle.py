@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -140,8 +141,11 @@ def save_bundle(path: str | Path, spec: BundleSpec, state_dict: Mapping[str, Any
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
-    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt", "bundle": FORMAT})
-    (path / CONFIG_FILE).write_text(json.dumps({"format": FORMAT, **spec.to_dict()}, indent=2) + "\n")
+    # Written beside and renamed into place: a reader never sees half a file.
+    save_file(tensors, str(path / (WEIGHTS_FILE + ".tmp")), metadata={"format": "pt", "bundle": FORMAT})
+    (path / (CONFIG_FILE + ".tmp")).write_text(json.dumps({"format": FORMAT, **spec.to_dict()}, indent=2) + "\n")
+    os.replace(path / (WEIGHTS_FILE + ".tmp"), path / WEIGHTS_FILE)
+    os.replace(path / (CONFIG_FILE + ".tmp"), path / CONFIG_FILE)
     return path
 
 

@@ -11,7 +11,9 @@ are computed:
   computed keep the K/V already in the cache (from the previous frame) at their original
   RoPE positions;
 * pruning: rows dropped at a layer are invalidated in the cache from that layer on, so no
-  later layer attends to them;
+  later layer attends to them; the drop is either planned (``StepPlan.drop``) or decided
+  during the forward by a :class:`PruneHook` from the attention taps of the layers so far
+  (self-speculative and layer-level pruning);
 * packed forward: rows of independent segments in one pass; the cache layout keeps each
   segment attending only to its own history;
 * attention taps: softmax attention of a few query rows at chosen layers, computed next to
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -92,6 +94,17 @@ class TapResult:
     entropy: dict[int, float] = field(default_factory=dict)
 
 
+class PruneHook(Protocol):
+    """Decides drops during a forward. After each layer in ``layers`` the engine calls it with
+    that layer's tapped attention (``TapResult.attn[layer]``, [nq, nk] over the tap's key
+    slots); the slots it returns are dropped from the next layer on (their K/V stays valid up
+    to this layer, original RoPE positions are untouched)."""
+
+    layers: frozenset[int]
+
+    def __call__(self, layer: int, attn: torch.Tensor) -> torch.Tensor | None: ...
+
+
 @dataclass
 class StepPlan:
     """What one forward computes.
@@ -105,6 +118,7 @@ class StepPlan:
     output_slots: slots whose final, normed hidden states are returned (computed at the last
         layer); None returns nothing.
     taps: optional attention taps.
+    prune: optional hook that drops rows during the forward (its layers must be tapped).
     """
 
     slots: torch.Tensor
@@ -113,6 +127,7 @@ class StepPlan:
     drop: dict[int, torch.Tensor] = field(default_factory=dict)
     output_slots: torch.Tensor | None = None
     taps: TapSpec | None = None
+    prune: PruneHook | None = None
 
 
 @dataclass
@@ -120,6 +135,8 @@ class StepOutput:
     hidden: torch.Tensor | None  # [B, n_out, H]
     taps: TapResult | None
     computed_per_layer: list[int]
+    # layer -> slots dropped from that layer on, planned and decided by the hook alike
+    dropped: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _rel_index(superset: torch.Tensor, subset: torch.Tensor, what: str) -> torch.Tensor:
@@ -176,23 +193,31 @@ class Engine:
         Hq, Hkv, D = st.num_heads, st.num_kv_heads, st.head_dim
         taps = TapResult() if plan.taps is not None else None
         tap_layers = set(plan.taps.layers) if plan.taps is not None else set()
+        hook = plan.prune
+        if hook is not None and not hook.layers <= tap_layers:
+            raise PlanError(f"prune hook layers {sorted(hook.layers)} are not all tapped ({sorted(tap_layers)})")
         computed: list[int] = []
+        dropped_at: dict[int, torch.Tensor] = dict(plan.drop)
+        gone: torch.Tensor | None = None  # [S] bool: slots the hook dropped so far
         allowed_rows = cache.allowed[rows]  # [n, S]
         kv_end = int(cache.visible_end[rows].max()) if N else 0
 
         for l, layer in enumerate(st.layers):
-            if plan.layer_slots is not None and plan.layer_slots[l] is not rows:
-                new_rows = plan.layer_slots[l]
-                if not (l == 0 and torch.equal(new_rows, rows)):
-                    sel = _rel_index(rows, new_rows, f"layer_slots[{l}]")
-                    x, cos, sin = x[:, sel], cos[:, sel], sin[:, sel]
-                    rows = new_rows
-                    allowed_rows = allowed_rows[sel]
+            new_rows = rows if plan.layer_slots is None else plan.layer_slots[l]
+            if gone is not None:
+                keep = ~gone[new_rows]
+                if not bool(keep.all()):
+                    new_rows = new_rows[keep]
+            if new_rows is not rows and not (l == 0 and torch.equal(new_rows, rows)):
+                sel = _rel_index(rows, new_rows, f"layer_slots[{l}]")
+                x, cos, sin = x[:, sel], cos[:, sel], sin[:, sel]
+                rows = new_rows
+                allowed_rows = allowed_rows[sel]
             if l in plan.drop:
-                dropped = plan.drop[l]
-                if torch.isin(dropped, rows).any():
+                planned = plan.drop[l]
+                if torch.isin(planned, rows).any():
                     raise PlanError(f"drop[{l}]: a dropped slot is still computed at layer {l}")
-                cache.invalidate(dropped, from_layer=l)
+                cache.invalidate(planned, from_layer=l)
             n = rows.numel()
             computed.append(n)
             if n == 0:
@@ -220,12 +245,20 @@ class Engine:
                 self._tap(l, q, keys, mask, rows, plan.taps, taps)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if hook is not None and l in hook.layers and l + 1 < st.num_layers:
+                drop = hook(l, taps.attn[l])
+                if drop is not None and drop.numel():
+                    if gone is None:
+                        gone = torch.zeros(cache.max_slots, dtype=torch.bool, device=self.device)
+                    gone[drop] = True
+                    cache.invalidate(drop, from_layer=l + 1)
+                    dropped_at[l + 1] = drop
 
         hidden = None
         if plan.output_slots is not None:
             sel = _rel_index(rows, plan.output_slots, "output_slots")
             hidden = st.norm(x[:, sel])
-        return StepOutput(hidden=hidden, taps=taps, computed_per_layer=computed)
+        return StepOutput(hidden=hidden, taps=taps, computed_per_layer=computed, dropped=dropped_at)
 
     def _tap(self, l, q, keys, mask, rows, spec: TapSpec, out: TapResult) -> None:
         """Eager softmax for the tapped query rows only.  q: [B, Hq, n, D], keys: [B, Hkv, S', D]"""

@@ -6,20 +6,41 @@ from dataclasses import dataclass
 
 from vla_accel_ros.core.cache.config import CacheConfig
 from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.prune.config import PruneConfig
+
+ACCEL_MODES = ("none", "cache", "prune", "cache+prune")
 
 
 @dataclass(frozen=True)
 class PolicyConfig(Config):
     accel: str = param(
         "none",
-        doc="prefix acceleration: none (full recompute every frame) or cache (VLA-Cache token reuse)",
-        choices=("none", "cache"),
+        doc="prefix acceleration: none (full recompute every frame), cache (VLA-Cache token reuse), "
+        "prune (SpecPrune-VLA token pruning) or cache+prune (both in one plan)",
+        choices=ACCEL_MODES,
     )
-    parity_check: bool = param(True, doc="run the parity gate when the policy starts", read_only=True)
+    parity_check: bool = param(
+        True, doc="run the parity gate when the policy starts and before an accel change is used", read_only=True
+    )
     parity_tolerance: float = param(
-        1e-3, doc="max |engine - transformers| on the parity gate's fixed inputs", range=(0.0, 1.0)
+        1e-3, doc="max |engine - transformers| on the parity gate's fixed inputs (exact paths)", range=(0.0, 1.0)
+    )
+    parity_tolerance_accel: float = param(
+        1.0,
+        doc="mean |accelerated - full recompute| / action std on the gate's second frame (approximate paths: "
+        "reuse after a change, pruning)",
+        range=(0.0, 100.0),
     )
     num_threads: int = param(0, doc="torch CPU threads (0: leave torch's default)", range=(0, 256), read_only=True)
     flow_steps: int = param(0, doc="flow: Euler steps per chunk (0: the bundle's num_steps)", range=(0, 1000))
     seed: int = param(0, doc="seed of the flow noise when the caller passes none", range=(0, 2**31 - 1))
-    cache: CacheConfig = CacheConfig()  # accel=cache: the token cache's knobs (ROS: cache.*)
+    cache: CacheConfig = CacheConfig()  # accel=cache / cache+prune: the token cache's knobs (ROS: cache.*)
+    prune: PruneConfig = PruneConfig()  # accel=prune / cache+prune: the pruning knobs (ROS: prune.*)
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.accel in ("cache", "cache+prune")
+
+    @property
+    def uses_prune(self) -> bool:
+        return self.accel in ("prune", "cache+prune")

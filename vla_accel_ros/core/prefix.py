@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from vla_accel_ros.core.engine import TapResult, TapSpec
+from vla_accel_ros.core.engine import PruneHook, TapResult, TapSpec
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class PrefixPlan:
     layer_slots: list[torch.Tensor]
     drop: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> slots pruned from it on
     taps: TapSpec | None = None
+    prune: PruneHook | None = None  # drops decided during the forward (pruning planners)
     full: bool = True  # every slot computed at every layer
     reset_reason: str = ""  # why the plan is a forced full recompute ("" if not)
     stats: dict[str, Any] = field(default_factory=dict)
@@ -118,19 +119,41 @@ class FullRecompute:
         pass
 
 
-def plan_stats(plan: PrefixPlan, layout: PrefixLayout, computed: list[int], mode: str) -> dict:
-    """The statistics every inference reports about its prefix (both families, every planner)."""
+def plan_stats(
+    plan: PrefixPlan, layout: PrefixLayout, computed: list[int], mode: str, dropped: dict[int, torch.Tensor] | None = None
+) -> dict:
+    """The statistics every inference reports about its prefix (both families, every planner).
+
+    ``dropped``: the engine's record of pruned slots (layer -> slots dropped from it on). Image
+    tokens per layer are then computed (recomputed this frame), reused (valid K/V from an
+    earlier frame) or dropped (no valid K/V); ``tokens_kept_fraction`` is the mean over layers
+    of the image tokens not dropped."""
     img = layout.image_slots()
     lo, hi = int(img[0]), int(img[-1]) + 1
-    img_per_layer = [int(((s >= lo) & (s < hi)).sum()) for s in plan.layer_slots]
-    total_pairs = max(1, layout.num_image_tokens * len(plan.layer_slots))
+    n_img, L = layout.num_image_tokens, len(plan.layer_slots)
+    gone = torch.zeros(layout.length, dtype=torch.bool)
+    dropped_per_layer, kept_per_layer, computed_img = [], [], []
+    for l, slots in enumerate(plan.layer_slots):
+        d = (dropped or {}).get(l)
+        if d is not None:
+            gone[d[d < layout.length]] = True
+        n_gone = int(gone[lo:hi].sum())
+        dropped_per_layer.append(n_gone)
+        kept_per_layer.append(n_img - n_gone)
+        s_img = slots[(slots >= lo) & (slots < hi)]
+        computed_img.append(int((~gone[s_img]).sum()))
+    pairs = max(1, n_img * L)
     stats = {
         "mode": mode,
         "tokens_total": layout.length,
         "tokens_recomputed": int(plan.layer_slots[0].numel()),
         "recomputed_per_layer": computed,
-        "image_recomputed_per_layer": img_per_layer,
-        "reuse_fraction": 1.0 - sum(img_per_layer) / total_pairs,
+        "image_recomputed_per_layer": computed_img,
+        "image_kept_per_layer": kept_per_layer,
+        # token-layers whose K/V came from an earlier frame (neither recomputed nor dropped)
+        "reuse_fraction": (sum(kept_per_layer) - sum(computed_img)) / pairs,
+        "tokens_kept_fraction": sum(kept_per_layer) / pairs,
+        "tokens_pruned": dropped_per_layer[-1] if dropped_per_layer else 0,
         "cache_reset": bool(plan.reset_reason),
         "reset_reason": plan.reset_reason,
     }

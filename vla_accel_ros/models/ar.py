@@ -109,7 +109,8 @@ class ArPolicy(PolicyBase):
         with timer.stage("prefill"):
             last = torch.tensor([layout.length - 1])
             step = StepPlan(
-                slots=rows, positions=rows, layer_slots=plan.layer_slots, drop=plan.drop, output_slots=last, taps=plan.taps
+                slots=rows, positions=rows, layer_slots=plan.layer_slots, drop=plan.drop, output_slots=last, taps=plan.taps,
+                prune=plan.prune,
             )
             out = self.engine.forward(full[rows][None], step)
             token = int(self.model.action_logits(out.hidden[0, -1]).argmax()) + self._first_action_id
@@ -126,7 +127,7 @@ class ArPolicy(PolicyBase):
                 tokens.append(token)
         with timer.stage("postprocess"):
             actions = self._decode_actions(tokens)
-        stats = plan_stats(plan, layout, out.computed_per_layer, self.planner.name)
+        stats = plan_stats(plan, layout, out.computed_per_layer, self.planner.name, out.dropped)
         stats["action_tokens"] = tokens
         return ActionChunk(
             actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, chunk_id=self.next_chunk_id(),

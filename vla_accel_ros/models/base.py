@@ -33,16 +33,20 @@ from vla_accel_ros.models.common import (
 
 
 def make_planner(config: PolicyConfig) -> PrefixPlanner:
-    """The prefix planner ``config.accel`` names, fresh (its caches empty)."""
+    """The prefix planner ``config.accel`` names, fresh (its caches empty): one planner decides
+    per image token and layer recompute / reuse (token cache) / drop (pruning)."""
     if config.accel == "none":
         return FullRecompute()
-    if config.accel == "cache":
-        try:
-            from vla_accel_ros.core.cache import TokenCachePlanner
-        except ImportError as e:
-            raise ConfigError("accel='cache' needs vla_accel_ros.core.cache, which is not available") from e
-        return TokenCachePlanner(config.cache)
-    raise ConfigError(f"accel={config.accel!r} has no planner")
+    reuse = None
+    if config.uses_cache:
+        from vla_accel_ros.core.cache import TokenCachePlanner
+
+        reuse = TokenCachePlanner(config.cache)
+    if not config.uses_prune:
+        return reuse
+    from vla_accel_ros.core.prune import PrunePlanner
+
+    return PrunePlanner(config.prune, reuse)
 
 
 class StageTimer:
@@ -156,8 +160,10 @@ class PolicyBase:
         fixed = [k for k in changed_fields(self.config, config) if k in _FIXED]
         if fixed:
             raise ConfigError(f"policy.{', policy.'.join(fixed)} cannot change once the policy is built")
-        if config.accel == "cache":
+        if config.uses_cache:
             config.cache.check_layers(self.num_layers)
+        if config.uses_prune:
+            config.prune.check_layers(self.num_layers)
 
     def configure(self, config: PolicyConfig) -> bool:
         """Apply new run-time options (acceleration, cache thresholds, flow steps, ...) all at
@@ -166,9 +172,20 @@ class PolicyBase:
         Call it between two inferences (never concurrently with :meth:`infer`)."""
         self.check_config(config)
         changed = changed_fields(self.config, config)
-        replan = any(k.split(".")[0] not in _NOT_PLANNER for k in changed)
+        replan = any(k.split(".")[0] not in _NOT_PLANNER for k in changed) or "parity_tolerance_accel" in changed
         planner = make_planner(config) if replan else self.planner  # may raise: nothing changed yet
+        old = (self.config, self.planner)
         self.config, self.planner = config, planner
+        if replan and config.accel != "none" and old[0].parity_check:
+            # The gate covers what runs: a new plan is verified before its first real inference.
+            from vla_accel_ros.core.parity import run_parity
+
+            report = run_parity(self, tolerance=config.parity_tolerance)
+            if not report.passed:
+                self.config, self.planner = old
+                self.planner.reset("external prefix write")  # the gate overwrote the cached K/V
+                raise ConfigError(f"policy.accel={config.accel}: the parity gate failed, the change is refused:\n{report.table()}")
+            self.parity_report = report
         return replan
 
     def set_motion_mode(self, mode: str) -> None:

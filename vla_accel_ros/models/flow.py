@@ -187,7 +187,9 @@ class FlowPolicy(PolicyBase):
         with timer.stage("vision"):
             full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.image_rows(layout, rows))
         with timer.stage("prefill"):
-            step = StepPlan(slots=rows, positions=rows, layer_slots=plan.layer_slots, drop=plan.drop, taps=plan.taps)
+            step = StepPlan(
+                slots=rows, positions=rows, layer_slots=plan.layer_slots, drop=plan.drop, taps=plan.taps, prune=plan.prune
+            )
             out = self.vlm_engine.forward(full[rows][None], step)
         with timer.stage("select"):
             self.planner.update(ctx, plan, out.taps)
@@ -199,7 +201,7 @@ class FlowPolicy(PolicyBase):
                 # The frozen prefix executes from the old chunk anyway; return it exactly.
                 d = min(guidance.frozen, actions.shape[0], len(guidance.prev_actions))
                 actions[:d] = np.asarray(guidance.prev_actions, dtype=np.float32)[:d]
-        stats = plan_stats(plan, layout, out.computed_per_layer, self.planner.name)
+        stats = plan_stats(plan, layout, out.computed_per_layer, self.planner.name, out.dropped)
         stats["flow_steps"] = self.num_steps
         return ActionChunk(
             actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, chunk_id=self.next_chunk_id(),

@@ -42,12 +42,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 
 PACKAGE = "vla_accel_ros"
 
@@ -124,59 +122,8 @@ def _spec(name: str, cls: str, parameters: dict[str, Any], **kw: Any) -> NodeSpe
     return NodeSpec(name=name, executable=name, module=f"{PACKAGE}.ros.{name}", node_class=cls, parameters=parameters, **kw)
 
 
-def default_params_file() -> Path:
-    """``config/aloha.yaml``: from the install's share directory, else the source tree."""
-    here = Path(__file__).resolve()
-    candidates = [here.parents[2] / "config" / "aloha.yaml"]
-    try:
-        from ament_index_python.packages import PackageNotFoundError, get_package_share_directory  # noqa: PLC0415
-
-        try:
-            candidates.append(Path(get_package_share_directory(PACKAGE)) / "config" / "aloha.yaml")
-        except (PackageNotFoundError, OSError, ValueError):  # OSError: no AMENT_PREFIX_PATH (a plain venv)
-            pass
-    except ImportError:
-        pass
-    prefix = Path(os.environ.get("VIRTUAL_ENV") or sys.prefix)
-    candidates.append(prefix / "share" / PACKAGE / "config" / "aloha.yaml")
-    for c in candidates:
-        if c.is_file():
-            return c
-    raise FileNotFoundError(f"config/aloha.yaml not found (looked in {', '.join(map(str, candidates))})")
-
-
-# -- the parameter file, read the way rcl reads it ------------------------------------------------
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def node_parameters(params: Mapping[str, Any], node: str, namespace: str = "") -> dict[str, Any]:
-    """Dotted parameters a node named ``node`` in ``namespace`` gets from a ROS 2 parameter
-    file (``/**``, ``/**/node``, ``node``, ``/ns/node`` sections; later, more specific ones win)."""
-    ns = "/" + namespace.strip("/") if namespace.strip("/") else ""
-    full = f"{ns}/{node}"
-    keys = ["/**", f"/**/{node}", node, f"/{node}" if ns else None, full.lstrip("/"), full]
-    out: dict[str, Any] = {}
-    for key in keys:
-        if key is None or key not in params:
-            continue
-        section = params[key] or {}
-        out.update(_flatten(section.get("ros__parameters", {}) or {}))
-    return out
-
-
-def load_params(path: str | os.PathLike) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a ROS 2 parameter file is a mapping of node names")
-    return data
+# The parameter file, read the way rcl reads it: ROS-free, so the evaluation reads it too.
+from vla_accel_ros.core.params_file import default_params_file, load_params, node_parameters  # noqa: E402
 
 
 # -- the description --------------------------------------------------------------------------------

@@ -152,6 +152,7 @@ class Trainer:
         (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
         tmp.rename(self.checkpoint_dir)  # a crash mid-save leaves the previous checkpoint intact
+        self.save_bundle()  # --out is a usable bundle of the latest weights at every checkpoint
 
     def load_checkpoint(self) -> bool:
         from safetensors.torch import load_file

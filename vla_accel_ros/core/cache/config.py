@@ -34,6 +34,12 @@ class CacheConfig(Config):
         "the paper uses 0.996 in simulation and 0.85 on a real camera",
         range=(0.0, 1.0),
     )
+    max_relative_change: float = param(
+        0.1,
+        doc="and at most this relative L2 change ||new - cached|| / ||cached|| (the cosine alone calls a patch "
+        "whose pixels all halved static); 1e6 disables it (the paper's rule)",
+        range=(0.0, 1e6),
+    )
     topk_reuse: int = param(
         100,
         doc="at most this many reused tokens per camera per 256 image tokens (the most similar win; "
@@ -83,8 +89,8 @@ class CacheConfig(Config):
     )
     # -- lifecycle ------------------------------------------------------------------------------
     scene_cut_fraction: float = param(
-        0.25, doc="a camera whose fraction of static patches falls below this is a scene cut: all its tokens "
-        "are recomputed", range=(0.0, 1.0),
+        0.5, doc="a camera whose fraction of static patches falls below this (most patches changed: a view "
+        "change, an exposure jump) is a scene cut: all its tokens are recomputed", range=(0.0, 1.0),
     )
     max_reuse_age: int = param(
         8, doc="a token reused for this many consecutive frames is recomputed, so approximation error cannot "

@@ -105,6 +105,8 @@ class TokenCachePlanner:
         self._ref: torch.Tensor | None = None  # [C, T, D] reference patches (whose K/V is cached)
         self._ref_norm: torch.Tensor | None = None  # [C, T]
         self._age: torch.Tensor | None = None  # [C, T] consecutive frames reused
+        # [C, T] the token's K/V is complete at every layer (False once pruning dropped it)
+        self._usable: torch.Tensor | None = None
         self._relevance: torch.Tensor | None = None  # [C, T] previous step's text-to-image attention
         self._entropy: list[float] | None = None  # previous step's per-layer attention entropy
         self._pending = None
@@ -201,8 +203,12 @@ class TokenCachePlanner:
     def _select(self, lay: PrefixLayout, patches: torch.Tensor, norms: torch.Tensor) -> Selection:
         cfg, L, T = self.config, lay.num_layers, lay.tokens_per_camera
         sim = sel.cosine(patches, norms, self._ref, self._ref_norm)  # [C, T]
-        static = sim >= cfg.sim_threshold
+        change = sel.relative_change(patches, self._ref, self._ref_norm)  # [C, T]
+        # Static means the pixels did not change: the cosine alone is blind to a change of scale
+        # (exposure, gain), so the relative change must be small too.
+        static = (sim >= cfg.sim_threshold) & (change <= cfg.max_relative_change)
         cut = static.float().mean(-1) < cfg.scene_cut_fraction  # [C]
+        static = static & self._usable
         cand = static & ~cut[:, None]
         aged = cand & (self._age >= cfg.max_reuse_age)
         cand = cand & ~aged
@@ -261,6 +267,12 @@ class TokenCachePlanner:
             "relevance_available": self._relevance is not None,
         }
 
+    def forget(self, tokens: torch.Tensor) -> None:
+        """Tokens [C, T] (bool) whose K/V is no longer complete (pruning dropped them at some
+        layer): they are recomputed at every layer before they can be reused again."""
+        if self._usable is not None:
+            self._usable = self._usable & ~tokens
+
     # -- after the forward --------------------------------------------------------------------
     def update(self, ctx: PrefixContext, plan: PrefixPlan, taps: TapResult | None) -> None:
         pend = self._pending
@@ -277,7 +289,9 @@ class TokenCachePlanner:
         if pend.reset:
             self._ref, self._ref_norm = pend.patches, pend.norms
             self._age = offsets.clone()
+            self._usable = torch.ones(C, T, dtype=torch.bool)
         else:
+            self._usable = self._usable | fresh
             self._ref = torch.where(fresh[..., None], pend.patches, self._ref)
             self._ref_norm = torch.where(fresh, pend.norms, self._ref_norm)
             # A camera refreshed wholesale (scene cut) is staggered again like after a reset.

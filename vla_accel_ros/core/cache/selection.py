@@ -33,6 +33,14 @@ def cosine(new: torch.Tensor, new_norm: torch.Tensor, ref: torch.Tensor, ref_nor
     return torch.where(same, torch.ones_like(sim), sim.clamp(-1.0, 1.0))
 
 
+def relative_change(new: torch.Tensor, ref: torch.Tensor, ref_norm: torch.Tensor) -> torch.Tensor:
+    """||new - ref|| / ||ref|| per patch (a black reference: the absolute change / 255).  -> [C, T]
+
+    Unlike the cosine this sees a change of scale: every pixel halved scores 0.5."""
+    diff = (new - ref).norm(dim=-1)
+    return torch.where(ref_norm > 0, diff / ref_norm.clamp_min(1e-12), diff / 255.0)
+
+
 def scaled_count(per_256: int, tokens: int) -> int:
     """A per-256-token count at this grid (the paper's 100 of 256 -> 39 of 100 tokens)."""
     return min(tokens, int(round(per_256 * tokens / 256)))

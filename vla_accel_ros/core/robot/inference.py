@@ -144,7 +144,8 @@ class InferenceWorker:
         try:
             if self.policy.configure(new.policy):  # a fresh planner: its caches start empty
                 self._reset_reason = "config"
-        except ConfigError as e:  # checked when set; the policy keeps its old options
+        except ConfigError as e:  # checked when set, or refused by the parity gate: the old options stay
+            self.cfg = self.cfg.replace(policy=old.policy)
             self._log("error", f"policy options not applied: {e}")
             return
         self._log("info", f"applied policy.{', policy.'.join(changed_fields(old.policy, new.policy))}")
