@@ -149,5 +149,21 @@ def save_bundle(path: str | Path, spec: BundleSpec, state_dict: Mapping[str, Any
     return path
 
 
+SHIPPED = ("transfer_cube-ar", "transfer_cube-flow")  # trained bundles in the repository's models/
+
+
+def shipped_bundle(name: str) -> Path:
+    """A trained bundle the package ships (``models/<name>``, installed to share/vla_accel_ros/models)."""
+    from vla_accel_ros.core.params_file import find_shared
+
+    try:
+        path = find_shared(f"models/{name}")
+    except FileNotFoundError as e:
+        raise BundleError(f"shipped bundle {name!r} not found: {e}") from e
+    if not (path / CONFIG_FILE).is_file():
+        raise BundleError(f"{path}: not a bundle (no {CONFIG_FILE})")
+    return path
+
+
 def count_parameters(state_dict: Mapping[str, Any]) -> int:
     return int(sum(math.prod(v.shape) for v in state_dict.values()))

@@ -34,6 +34,10 @@ from vla_accel_ros.core.kv_cache import KVCache
 from vla_accel_ros.kernels import KernelSet, get_kernels
 
 
+# Attention gathers the readable keys first when fewer than this share of its window are.
+_COMPACT_BELOW = 0.75
+
+
 class DecoderStack:
     """Handles on the modules of a transformers decoder, validated once."""
 
@@ -275,9 +279,18 @@ class Engine:
             qg, mask = (q, allowed_rows) if idx is None else (q[:, :, idx], allowed_rows[idx])
             mask = mask[:, s0:s1] & valid[s0:s1]  # [n_g, S']
             keys, values = k_cache[:, :, s0:s1], v_cache[:, :, s0:s1]
-            o = kern.attend(qg, keys, values, mask, scale)  # [B, Hq, n_g, D]
-            if tap is not None and self._taps_group(tap, rows if idx is None else rows[idx]):
+            tapped = tap is not None and self._taps_group(tap, rows if idx is None else rows[idx])
+            if tapped:
                 self._tap(l, qg, keys, mask, rows if idx is None else rows[idx], tap, taps, s0)
+            elif mask.shape[1] >= 64:
+                # Keys nobody may read (pruned tokens, the unused tail of a prefix) are left out
+                # when they are many: what every flow step and decode row attends to shrinks too.
+                cols = mask.any(0)
+                n_cols = int(cols.sum())
+                if n_cols < _COMPACT_BELOW * cols.numel():
+                    keep = torch.nonzero(cols).flatten()
+                    keys, values, mask = keys.index_select(2, keep), values.index_select(2, keep), mask[:, keep]
+            o = kern.attend(qg, keys, values, mask, scale)  # [B, Hq, n_g, D]
             if out is None:
                 return o
             out[:, :, idx] = o
