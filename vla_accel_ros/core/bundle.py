@@ -144,6 +144,7 @@ def save_bundle(path: str | Path, spec: BundleSpec, state_dict: Mapping[str, Any
     # Written beside and renamed into place: a reader never sees half a file.
     save_file(tensors, str(path / (WEIGHTS_FILE + ".tmp")), metadata={"format": "pt", "bundle": FORMAT})
     (path / (CONFIG_FILE + ".tmp")).write_text(json.dumps({"format": FORMAT, **spec.to_dict()}, indent=2) + "\n")
+    os.chmod(path / (WEIGHTS_FILE + ".tmp"), 0o644)  # safetensors writes 0600; a bundle is shared data
     os.replace(path / (WEIGHTS_FILE + ".tmp"), path / WEIGHTS_FILE)
     os.replace(path / (CONFIG_FILE + ".tmp"), path / CONFIG_FILE)
     return path
