@@ -341,6 +341,46 @@ def test_continuous_trigger_infers_without_requests(system):
     assert probe.set_parameter(POLICY, "trigger", "request").successful
 
 
+def test_inputs_stamped_in_the_future_are_dropped_and_the_loop_goes_on(system):
+    """A wrong clock (+1000 s) on a few frames, a chunk and a joint state: each is dropped and
+    counted by the node it reaches, and requests, chunks and commands go on afterwards."""
+    running, probe = system
+    cam, ctl, pol = running.nodes[CAMERA], running.nodes[CONTROLLER], running.nodes[POLICY]
+    wait_for(lambda: probe.count("chunks") >= 1, what="a running loop")
+
+    def future(msg):
+        msg.header.stamp.sec += 1000
+        return msg
+
+    def burst() -> bool:
+        for _ in range(5):  # best-effort sensor QoS: repeat until they arrived
+            probe.image_pub.publish(future(probe.image(probe.frames[1])))
+        return cam.drops.counts.get("future_stamp", 0) >= 5
+
+    wait_for(burst, what="future frames to be dropped")
+    chunk_pub = probe.create_publisher(ActionChunk, "action_chunk", qos.RELIABLE)
+    with probe.lock:
+        chunk = probe.chunks[-1]
+    future(chunk)
+    chunk.request_id = 0
+    chunk_pub.publish(chunk)
+    wait_for(lambda: ctl.drops.counts.get("future_chunk", 0) >= 1, what="the future chunk to be dropped")
+    js = JointState(name=ARM, position=START)
+    js.header.stamp = probe.get_clock().now().to_msg()
+    probe.js_pubs[0].publish(future(js))
+    wait_for(lambda: pol.drops.counts.get("future_stamp", 0) >= 1 and ctl.drops.counts.get("future_stamp", 0) >= 1,
+             what="the future joint state to be dropped by policy and controller")  # fmt: skip
+    n_req, n_chunks, n_cmd = probe.count("requests"), probe.count("chunks"), probe.count("commands")
+    wait_for(lambda: probe.count("requests") >= n_req + 3 and probe.count("chunks") >= n_chunks + 3
+             and probe.count("commands") >= n_cmd + 20, what="requests, chunks and commands to go on")  # fmt: skip
+    now = probe.get_clock().now().nanoseconds
+    with probe.lock:
+        stamps = [s.sec * 10**9 + s.nanosec for s in probe.stamps]
+    assert max(stamps) <= now  # no observation was ever announced with a future stamp
+    wait_for(lambda: "dropped future_stamp" in probe.diagnostics.get(f"{CAMERA}: cameras", {}), what="camera diagnostics")
+    probe.destroy_publisher(chunk_pub)
+
+
 def test_controller_holds_within_the_watchdog_time_when_the_policy_stops(system):
     running, probe = system
     ctl = running.nodes[CONTROLLER]

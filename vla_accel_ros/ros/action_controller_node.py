@@ -62,7 +62,7 @@ class ActionControllerNode(Node):
         self.state = StateAssembler(cfg.robot)
         self.backend = make_backend(self, cfg)
         self.loop = LoopStats(cfg.scheduler.dt)
-        self.drops = DropCounter(self, "chunk", 2.0)
+        self.drops = DropCounter(self, "input", 2.0)
         self._lock = threading.Lock()  # inbox, observation stamp, joint states (input callbacks)
         self._inbox: deque[ActionChunkMsg] = deque(maxlen=32)
         self._obs_stamp = -1  # newest observation the policy holds
@@ -72,7 +72,8 @@ class ActionControllerNode(Node):
         safety = MutuallyExclusiveCallbackGroup()  # e-stop and enable never wait behind chunks
         self.create_subscription(ActionChunkMsg, graph.ACTION_CHUNK, self._on_chunk, qos.RELIABLE, callback_group=inputs)
         self.create_subscription(Header, graph.OBSERVATION_STAMP, self._on_obs_stamp, qos.RELIABLE, callback_group=inputs)
-        subscribe_joint_states(self, cfg.robot.joint_state_topics, self.state, self._lock, inputs)
+        subscribe_joint_states(self, cfg.robot.joint_state_topics, self.state, self._lock, inputs,
+                               max_future_ms=lambda: self.cfg.max_future_ms, drop=self.drops.drop)  # fmt: skip
         self.create_subscription(Bool, graph.ESTOP, self._on_estop, qos.LATCHED, callback_group=safety)
         self.create_service(SetBool, graph.ENABLE, self._on_enable, callback_group=safety)
         self._request_pub = self.create_publisher(ChunkRequest, graph.CHUNK_REQUEST, qos.RELIABLE)

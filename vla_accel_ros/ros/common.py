@@ -34,12 +34,25 @@ def prefer_responsive_threads() -> None:
 
 
 def subscribe_joint_states(
-    node: Node, topics: Sequence[str], state: StateAssembler | StateGate, lock: threading.Lock, group: CallbackGroup
+    node: Node,
+    topics: Sequence[str],
+    state: StateAssembler | StateGate,
+    lock: threading.Lock,
+    group: CallbackGroup,
+    *,
+    max_future_ms: Callable[[], float],
+    drop: Callable[[str, str], None],
 ) -> None:
-    """Feed ``state`` from the robot's JointState topics (message stamp, else receive time)."""
+    """Feed ``state`` from the robot's JointState topics (message stamp, else receive time).
+    A message stamped more than ``max_future_ms()`` ahead of the node's clock is dropped."""
 
     def on_joint_state(index: int, msg: JointState) -> None:
-        stamp = stamp_to_ns(msg.header.stamp) or node.get_clock().now().nanoseconds
+        now = node.get_clock().now().nanoseconds
+        stamp = stamp_to_ns(msg.header.stamp) or now
+        limit = max_future_ms()
+        if stamp - now > limit * 1e6:
+            drop("future_stamp", f"{topics[index]}: stamped {(stamp - now) / 1e6:.1f} ms ahead of the clock > max_future_ms {limit:g}")
+            return
         with lock:
             state.update(index, msg.name, msg.position, stamp)
 

@@ -73,7 +73,8 @@ class PolicyNode(Node):
         control = MutuallyExclusiveCallbackGroup()
         if cfg.observation_transport == "topic":
             self.create_subscription(ObservationMsg, graph.OBSERVATION, self._on_observation, qos.LATEST, callback_group=inputs)
-        subscribe_joint_states(self, cfg.robot.joint_state_topics, self.worker.state, self.worker.lock, inputs)
+        subscribe_joint_states(self, cfg.robot.joint_state_topics, self.worker.state, self.worker.lock, inputs,
+                               max_future_ms=lambda: self.worker.cfg.max_future_ms, drop=self.drops.drop)  # fmt: skip
         self.create_subscription(String, graph.INSTRUCTION, self._on_instruction, qos.LATCHED, callback_group=control)
         self.create_subscription(ChunkRequest, graph.CHUNK_REQUEST, self._on_request, qos.RELIABLE, callback_group=control)
         self.create_subscription(

@@ -103,6 +103,15 @@ def _max_skew_ms() -> float:
     return param(40.0, doc="the frames of one observation must lie within this span", range=(0.0, 60_000.0))
 
 
+def _max_future_ms() -> float:
+    return param(
+        500.0,
+        doc="a stamp more than this ahead of the node's clock is dropped and counted (a wrong clock must not date "
+        "observations, chunks or joint states in the future)",
+        range=(0.0, 60_000.0),
+    )
+
+
 def _max_state_age_ms() -> float:
     return param(
         500.0, doc="joint states older than this at observation time are not used (no inference)", range=(1.0, 600_000.0)
@@ -123,6 +132,7 @@ class CameraConfig(Config):
     )  # fmt: skip
     max_age_ms: float = _max_age_ms()
     max_skew_ms: float = _max_skew_ms()
+    max_future_ms: float = _max_future_ms()
     image_size: int = param(224, doc="square size frames are resized to (the bundle's image_size; 0: keep)", range=(0, 4096), read_only=True)
     observation_transport: str = param(
         "topic", doc="topic (vla_accel_ros/Observation) or shared (latest-only buffer, nodes in one process)",
@@ -155,6 +165,7 @@ class SyncConfig(Config):
     cameras: tuple[str, ...] = param((), doc="cameras an observation carries, in order (empty: every camera there is)")
     max_age_ms: float = _max_age_ms()
     max_skew_ms: float = _max_skew_ms()
+    max_future_ms: float = _max_future_ms()
     max_state_age_ms: float = _max_state_age_ms()
     image_size: int = param(
         0, doc="square size frames are resized to (0: keep; the policy resizes with the same function)", range=(0, 4096)
@@ -176,6 +187,7 @@ class PolicyNodeConfig(Config):
         choices=("request", "continuous"),
     )
     max_state_age_ms: float = _max_state_age_ms()
+    max_future_ms: float = _max_future_ms()
     request_wait_ms: float = param(
         100.0, doc="how long a request waits for the observation it names before using the newest", range=(0.0, 10_000.0)
     )
@@ -278,6 +290,7 @@ class CommandConfig(Config):
 class ControllerConfig(Config):
     request_chunks: bool = param(True, doc="send ChunkRequests (with RTC guidance) when the scheduler wants a chunk")
     diagnostics_period_s: float = param(1.0, doc="period of /diagnostics", range=(0.05, 3600.0))
+    max_future_ms: float = _max_future_ms()
     stale_chunks: str = param(
         "drop",
         doc="a chunk whose every action is already past (e.g. a 1-action chunk from an autoregressive policy "

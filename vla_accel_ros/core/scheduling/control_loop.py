@@ -13,9 +13,11 @@ Every :meth:`ControlLoop.tick`:
    asks for a new chunk at once;
 5. the chunks that arrived are merged (after the step, so the scheduler's grid is anchored on
    the ticks); a chunk that is all past executes its last action late only with
-   ``stale_chunks: execute_last``;
+   ``stale_chunks: execute_last``; a chunk stamped more than ``max_future_ms`` ahead of the
+   clock is dropped (it would plan the arm's motion from then on and stop all requests);
 6. when the scheduler wants a chunk and the policy announced an observation not asked for
-   yet: an inference request for it (with Real-Time Chunking guidance when ``scheduler.rtc``).
+   yet: an inference request for it (with Real-Time Chunking guidance when ``scheduler.rtc``);
+   an observation stamped in the future the same way is never asked for.
 
 The node converts messages, calls :meth:`tick` from its timer and publishes the
 :class:`TickOutput`. Enable and e-stop come from other threads (a service, a latched topic):
@@ -66,6 +68,7 @@ class ControlLoop:
         self._last_requested = -1  # newest observation stamp asked for
         self._force_request = False
         self._last_now: int | None = None
+        self._refused_stamp = -1  # the future observation stamp dropped last (counted once)
 
     # -- from other threads --------------------------------------------------------------------
     def set_estop(self, active: bool) -> bool:
@@ -160,8 +163,18 @@ class ControlLoop:
         self.motion.reset()
         self._last_requested = -1
 
+    def _ahead(self, stamp_ns: int, now_ns: int) -> str:
+        """Why ``stamp_ns`` is refused at ``now_ns`` for lying in the future ('' when it is not)."""
+        ahead = int(stamp_ns) - int(now_ns)
+        limit = self.config.max_future_ms
+        return f"stamped {ahead / 1e6:.1f} ms ahead of the clock > max_future_ms {limit:g}" if ahead > limit * 1e6 else ""
+
     def _add_chunk(self, out: TickOutput, chunk: ActionChunk, now_ns: int) -> None:
         cfg = self.config
+        why = self._ahead(chunk.stamp_ns, now_ns)
+        if why:
+            out.drops.append(("future_chunk", f"chunk {chunk.chunk_id} {why}"))
+            return
         try:
             if chunk.joint_names and tuple(chunk.joint_names) != tuple(cfg.robot.joint_names):
                 raise SchedulerError(f"chunk {chunk.chunk_id} joint_names {list(chunk.joint_names)} differ from robot.joint_names")
@@ -194,6 +207,12 @@ class ControlLoop:
     def _maybe_request(self, out: TickOutput, now_ns: int, obs_stamp_ns: int) -> None:
         if obs_stamp_ns <= self._last_requested:
             return  # nothing new to infer from (also: the policy has not announced anything yet)
+        why = self._ahead(obs_stamp_ns, now_ns)
+        if why:  # asking for it would make every later (present) observation look old
+            if obs_stamp_ns != self._refused_stamp:
+                self._refused_stamp = obs_stamp_ns
+                out.drops.append(("future_observation", f"observation {why}"))
+            return
         forced = self._force_request and self.scheduler.in_flight is None
         if not (forced or self.scheduler.wants_inference(now_ns)):
             return
