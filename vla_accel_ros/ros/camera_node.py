@@ -39,7 +39,7 @@ class CameraNode(Node):
         super().__init__(node_name, **kwargs)
         self.params = ConfigParameters(self, CameraConfig, on_staged=self._apply)
         cfg: CameraConfig = self.params.config
-        self.converter = ImageConverter(cfg.converter)
+        self.converter = ImageConverter(cfg.converter, cfg.max_pixels)
         self.assembler = ObservationAssembler(cfg.cameras, image_size=cfg.image_size, **_limits(cfg))
         self._lock = threading.Lock()  # the assembler
         self.drops = DropCounter(self, "camera frame", cfg.warn_throttle_s)
@@ -78,6 +78,7 @@ class CameraNode(Node):
         with self._lock:
             self.assembler.set_limits(**_limits(cfg))
         self.drops.throttle_s = cfg.warn_throttle_s
+        self.converter.max_pixels = cfg.max_pixels
 
     # -- frames -------------------------------------------------------------------------------
     def _on_frame(self, camera: str, compressed: bool, msg) -> None:

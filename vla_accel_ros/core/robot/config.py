@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.robot.images import MAX_PIXELS, MAX_SIDE
 from vla_accel_ros.core.robot.topics import JOINT_STATE_TOPICS, image_topic
 from vla_accel_ros.core.scheduling.config import SchedulerConfig
 
@@ -142,6 +143,10 @@ class CameraConfig(Config):
     converter: str = param(
         "auto", doc="image conversion: cv_bridge, numpy, or auto (cv_bridge when installed)",
         choices=("auto", "cv_bridge", "numpy"), read_only=True,
+    )  # fmt: skip
+    max_pixels: int = param(
+        MAX_PIXELS, doc="largest frame (width x height) decoded; compressed frames are measured from their header, "
+        "before decoding", range=(1, MAX_SIDE * MAX_SIDE),
     )  # fmt: skip
     warn_throttle_s: float = param(2.0, doc="at most one warning per reason per this many seconds", range=(0.0, 3600.0))
 
