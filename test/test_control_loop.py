@@ -110,3 +110,18 @@ def test_a_chunk_or_observation_stamped_in_the_future_is_dropped_and_later_ones_
     assert out.request is not None and out.request.stamp_ns == T0 + 2 * DT
     loop.tick(T0 + 3 * DT, measured=POSE, chunks=[_chunk(T0 + 2 * DT, 0.01)])
     assert loop.tick(T0 + 4 * DT, measured=POSE).command is not None and loop.chunks_in == 1
+
+
+def test_an_estop_after_the_tick_computed_its_command_withholds_it():
+    loop = _loop()
+    loop.tick(T0, measured=POSE, chunks=[_chunk(T0)])
+    out = loop.tick(T0 + DT, measured=POSE)
+    sent = []
+    assert out.command is not None
+    loop.set_estop(True)  # arrives between the tick and the publish
+    assert not loop.send(out, sent.append) and not sent and loop.withheld == 1 and loop.commands == 0
+    loop.set_estop(False)
+    loop.set_enabled(True)
+    loop.tick(T0 + 2 * DT, measured=POSE, chunks=[_chunk(T0 + 2 * DT)])
+    out = loop.tick(T0 + 3 * DT, measured=POSE)
+    assert loop.send(out, sent.append) and len(sent) == 1

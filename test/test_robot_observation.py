@@ -118,6 +118,15 @@ def _gate(max_state_age_ms=100):
     return robot, StateGate(robot, max_state_age_ns=max_state_age_ms * MS)
 
 
+def test_nonfinite_joint_states_are_named_as_such_not_as_missing():
+    _, gate = _gate()
+    gate.update(0, ["x"], [1.0], 1000 * MS)
+    gate.update(1, ["x"], [float("nan")], 1000 * MS)
+    assert gate.state_for(1000 * MS) is None and gate.last_reject == "joint states for b_x are not finite (NaN / inf)"
+    gate.update(1, ["x"], [2.0], 1001 * MS)
+    assert gate.state_for(1001 * MS) is not None
+
+
 def test_state_gate_attaches_the_state_or_says_why_not():
     _, gate = _gate(max_state_age_ms=100)
     gate.update(0, ["x"], [1.0], 1000 * MS)

@@ -8,8 +8,6 @@ used as an assertion. The last test stops the policy, so it runs last.
 
 from __future__ import annotations
 
-import os
-import random
 import threading
 import time
 
@@ -154,28 +152,19 @@ def _value(value) -> ParameterValue:
 
 @pytest.fixture(scope="module")
 def system(tiny_bundles, ros_params_file):
-    domain = random.SystemRandom().randint(1, 100)
-    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE")}
-    os.environ.update(ROS_DOMAIN_ID=str(domain), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
-    ctx = Context()
-    rclpy.init(context=ctx, domain_id=domain)
-    graph = describe(params_file=ros_params_file, bundle=tiny_bundles["flow"], shared_observations=False)
-    graph = graph.with_parameters({CONTROLLER: {"safety.watchdog_periods": WATCHDOG}})
-    running = bringup.start(graph, context=ctx, threads=6)
-    probe = Probe(ctx)
-    running.executor.add_node(probe)
-    try:
-        assert running.wait_ready(TIMEOUT) == ""
-        yield running, probe
-    finally:
-        running.executor.remove_node(probe)
-        running.shutdown()
-        probe.destroy_node()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with helpers.module_ros_context() as ctx:
+        graph = describe(params_file=ros_params_file, bundle=tiny_bundles["flow"], shared_observations=False)
+        graph = graph.with_parameters({CONTROLLER: {"safety.watchdog_periods": WATCHDOG}})
+        running = bringup.start(graph, context=ctx, threads=6)
+        probe = Probe(ctx)
+        running.executor.add_node(probe)
+        try:
+            assert running.wait_ready(TIMEOUT) == ""
+            yield running, probe
+        finally:
+            running.executor.remove_node(probe)
+            running.shutdown()
+            probe.destroy_node()
 
 
 def test_frames_and_joint_states_come_out_as_joint_commands(system):

@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import numpy as np
 import pytest
 
 rclpy = pytest.importorskip("rclpy")
 
+from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
 from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.node import Node  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
-from sensor_msgs.msg import CompressedImage  # noqa: E402
+from sensor_msgs.msg import CompressedImage, JointState  # noqa: E402
+from std_msgs.msg import Bool  # noqa: E402
 
-from vla_accel_ros.msg import Observation  # noqa: E402
+from vla_accel_ros.msg import ActionChunk, Observation  # noqa: E402
 from vla_accel_ros.ros import graph, qos  # noqa: E402
 from vla_accel_ros.ros.common import drain_executor  # noqa: E402
+from vla_accel_ros.ros.conversions import header, observation_to_msg  # noqa: E402
 import helpers  # noqa: E402  (test/helpers.py)
 from test_robot_images import _bilevel_png  # noqa: E402
 
@@ -107,3 +111,278 @@ def test_camera_node_refuses_a_compressed_frame_by_its_header_size(ros_context):
             return cam.drops.counts.get("too_large", 0) > before
 
         helpers.wait_for(refused_small, TIMEOUT, "the lowered bound to apply")
+
+
+# -- the policy node on its own: observations and joint states from a probe --------------------------
+ARM = ["waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper", "left_finger", "right_finger"]
+START = [0.0, -0.96, 1.16, 0.0, -0.3, 0.0, 1.1, 0.05, -0.05]
+
+
+class RobotProbe(Node):
+    """Observations (as the camera node sends them) at 20 Hz and joint states at 50 Hz; records
+    chunks and diagnostics. ``positions`` may be changed to send other joint states."""
+
+    def __init__(self, context) -> None:
+        super().__init__("probe", context=context)
+        self.lock = threading.Lock()
+        self.chunks: list[ActionChunk] = []
+        self.diagnostics: dict[str, dict[str, str]] = {}
+        self.levels: dict[str, int] = {}
+        self.messages: dict[str, str] = {}
+        self.positions = list(START)
+        self.streaming = True
+        self.obs_pub = self.create_publisher(Observation, graph.OBSERVATION, qos.LATEST)
+        self.js_pubs = [self.create_publisher(JointState, f"/follower_{s}/joint_states", qos.RELIABLE) for s in ("left", "right")]
+        self.create_subscription(ActionChunk, graph.ACTION_CHUNK, self._on_chunk, qos.RELIABLE)
+        self.create_subscription(DiagnosticArray, graph.DIAGNOSTICS, self._on_diagnostics, qos.RELIABLE)
+        self.image = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        self.create_timer(0.05, self._publish_observation)
+        self.create_timer(0.02, self._publish_joints)
+
+    def _on_chunk(self, msg: ActionChunk) -> None:
+        with self.lock:
+            self.chunks.append(msg)
+
+    def _on_diagnostics(self, msg: DiagnosticArray) -> None:
+        with self.lock:
+            for st in msg.status:
+                self.diagnostics[st.name] = {kv.key: kv.value for kv in st.values}
+                self.levels[st.name] = int.from_bytes(st.level, "little") if isinstance(st.level, bytes) else int(st.level)
+                self.messages[st.name] = st.message
+
+    def _publish_observation(self) -> None:
+        if self.streaming:
+            now = self.get_clock().now().nanoseconds
+            self.obs_pub.publish(observation_to_msg({"cam_high": self.image}, now, 0, 0, 0))
+
+    def _publish_joints(self) -> None:
+        for pub in self.js_pubs:
+            msg = JointState(header=header(self.get_clock().now().nanoseconds), name=ARM, position=list(self.positions))
+            pub.publish(msg)
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.chunks)
+
+    def diag(self, name: str) -> tuple[int, str, dict[str, str]]:
+        with self.lock:
+            return self.levels.get(name, -1), self.messages.get(name, ""), dict(self.diagnostics.get(name, {}))
+
+
+@pytest.fixture(scope="module")
+def policy_graph(tiny_bundles, ros_params_file):
+    """policy_node (tiny flow bundle, continuous trigger, observations over the topic) and a probe."""
+    from vla_accel_ros.ros.policy_node import PolicyNode
+
+    with helpers.module_ros_context() as ctx:
+        node = PolicyNode(
+            context=ctx,
+            cli_args=["--ros-args", "--params-file", str(ros_params_file)],
+            parameter_overrides=[
+                Parameter("bundle", value=str(tiny_bundles["flow"])), Parameter("trigger", value="continuous"),
+                Parameter("slow_inference_s", value=0.5),
+            ],
+        )  # fmt: skip
+        probe = RobotProbe(ctx)
+        with spinning(ctx, node, probe):
+            helpers.wait_for(lambda: node.ready or node.failure, 120.0, "the policy to load")
+            assert node.ready, node.failure
+            helpers.wait_for(lambda: probe.count() >= 2, TIMEOUT, "chunks")
+            yield node, probe
+
+
+POLICY = f"{graph.POLICY}: policy"
+
+
+def test_a_layer_index_beyond_the_model_is_refused_when_set_and_nothing_changes(policy_graph):
+    node, probe = policy_graph
+    depth = node.policy.num_layers
+    before = node.get_parameter("policy.cache.relevance_layer").value
+    result = node.set_parameters([Parameter("policy.cache.relevance_layer", value=depth + 5)])[0]
+    assert not result.successful
+    # The reason names the parameter, the value and the range this model allows.
+    assert f"policy.cache.relevance_layer={depth + 5}" in result.reason and f"[-1, {depth - 1}]" in result.reason
+    result = node.set_parameters([Parameter("policy.cache.reuse_layers", value=[2, depth])])[0]
+    assert not result.successful and f"policy.cache.reuse_layers=({2}, {depth})" in result.reason
+    assert node.get_parameter("policy.cache.relevance_layer").value == before
+    assert node.worker.cfg.policy.cache.relevance_layer == before == node.policy.config.cache.relevance_layer
+    n = probe.count()
+    helpers.wait_for(lambda: probe.count() >= n + 3, TIMEOUT, "chunks after the refused changes")
+
+
+def test_a_failing_step_of_the_worker_is_counted_and_the_worker_goes_on(policy_graph):
+    node, probe = policy_graph
+    real, failed = node.worker.next_job, []
+
+    def next_job_failing_once(timeout_s: float = 0.1):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("injected: next_job failed")
+        return real(timeout_s)
+
+    node.worker.next_job = next_job_failing_once
+    try:
+        helpers.wait_for(lambda: failed, TIMEOUT, "the injected failure")
+        n = probe.count()
+        helpers.wait_for(lambda: probe.count() >= n + 3, TIMEOUT, "chunks after the failure")
+        assert node._thread.is_alive() and node.worker.errors >= 1  # noqa: SLF001
+        helpers.wait_for(lambda: int(probe.diag(POLICY)[2].get("errors", 0)) >= 1, TIMEOUT, "errors in diagnostics")
+        values = probe.diag(POLICY)[2]
+        assert float(values["s since last chunk"]) < 5.0 and values["worker alive"] == "True"
+    finally:
+        node.worker.next_job = real
+
+
+def test_an_inference_running_too_long_shows_in_diagnostics(policy_graph):
+    node, probe = policy_graph
+    policy, real = node.policy, node.policy.infer
+
+    def slow_infer(obs, **kw):
+        time.sleep(2.5)
+        return real(obs, **kw)
+
+    policy.infer = slow_infer
+    try:
+        def warned() -> bool:
+            level, message, values = probe.diag(POLICY)
+            return level == 1 and "has run for" in message and float(values.get("inference running s", 0)) > 0.5
+
+        helpers.wait_for(warned, TIMEOUT, "a WARN for the slow inference")
+    finally:
+        policy.infer = real
+    helpers.wait_for(lambda: probe.diag(POLICY)[0] == 0 or probe.diag(POLICY)[1].endswith("inference errors"), TIMEOUT, "OK again")
+
+
+def test_nonfinite_joint_states_are_counted_and_named(policy_graph):
+    node, probe = policy_graph
+    probe.positions = [float("nan")] * len(START)
+    try:
+        helpers.wait_for(lambda: node.drops.counts.get("nonfinite_joint_state", 0) >= 3, TIMEOUT, "NaN joint states to be dropped")
+        with node.worker.lock:  # forget the finite readings: only NaN arrives from now on
+            node.worker.state.reset()
+        helpers.wait_for(lambda: "not finite" in node.worker.state.last_reject, TIMEOUT, "the reject to say why")
+        assert "no joint states yet" not in node.worker.state.last_reject
+    finally:
+        probe.positions = list(START)
+    n = probe.count()
+    helpers.wait_for(lambda: probe.count() >= n + 2, TIMEOUT, "chunks once the joint states are finite again")
+
+
+def test_a_dead_worker_turns_diagnostics_to_error(policy_graph):
+    """Last: the worker of this module's node does not come back."""
+    node, probe = policy_graph
+
+    class Fatal(BaseException):
+        pass
+
+    def next_job_fatal(timeout_s: float = 0.1):
+        raise Fatal("injected: the worker thread ends")
+
+    node.worker.next_job = next_job_fatal
+    helpers.wait_for(lambda: not node._thread.is_alive(), TIMEOUT, "the worker to end")  # noqa: SLF001
+
+    def error() -> bool:
+        level, message, values = probe.diag(POLICY)
+        return level == 2 and "worker stopped" in message and values.get("worker alive") == "False"
+
+    helpers.wait_for(error, TIMEOUT, "diagnostics at ERROR")
+
+
+# -- the action controller on its own ---------------------------------------------------------------
+def _controller(context, params_file, **overrides):
+    from vla_accel_ros.ros.action_controller_node import ActionControllerNode
+
+    return ActionControllerNode(
+        context=context, cli_args=["--ros-args", "--params-file", str(params_file)],
+        parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()],
+    )  # fmt: skip
+
+
+def _chunk_msg(stamp_ns: int, rows: int = 50) -> ActionChunk:
+    from vla_accel_ros.core.robot.config import ALOHA_JOINT_NAMES
+
+    pose = np.array([0.0, -0.96, 1.16, 0.0, -0.3, 0.0, 0.5] * 2, np.float32)
+    msg = ActionChunk(header=header(stamp_ns), chunk_id=1, horizon=rows, action_dim=14, dt=0.02)
+    msg.joint_names = list(ALOHA_JOINT_NAMES)
+    msg.actions = np.repeat(pose[None], rows, axis=0).reshape(-1)
+    return msg
+
+
+def test_an_estop_arriving_during_a_tick_stops_that_ticks_command(ros_context, ros_params_file):
+    ctl = _controller(ros_context, ros_params_file)
+    probe = RobotProbe(ros_context)
+    probe.streaming = False
+    commands: list[JointState] = []
+    probe.create_subscription(JointState, "joint_commands", commands.append, qos.COMMANDS)
+    chunk_pub = probe.create_publisher(ActionChunk, graph.ACTION_CHUNK, qos.RELIABLE)
+    with spinning(ros_context, ctl, probe):
+
+        def commanding() -> bool:
+            chunk_pub.publish(_chunk_msg(probe.get_clock().now().nanoseconds))
+            return len(commands) >= 5
+
+        helpers.wait_for(commanding, TIMEOUT, "commands")
+        real_tick, injected = ctl.control.tick, []
+
+        def tick_then_estop(*args, **kwargs):
+            out = real_tick(*args, **kwargs)  # the tick computed its command ...
+            if out.command is not None and not injected:
+                injected.append(1)
+                ctl._on_estop(Bool(data=True))  # noqa: SLF001 - ... and the e-stop callback runs now
+                injected.append(len(commands))
+            return out
+
+        ctl.control.tick = tick_then_estop
+        helpers.wait_for(lambda: len(injected) == 2, TIMEOUT, "a tick with an e-stop inside it")
+        tick = ctl.control.tick_count
+        helpers.wait_for(lambda: ctl.control.tick_count >= tick + 10, TIMEOUT, "ten more ticks")
+        time.sleep(0.2)  # a command sent by that tick would have arrived by now
+        assert len(commands) == injected[1] and ctl.control.withheld == 1
+        ctl.control.tick = real_tick
+
+
+def test_chunks_beyond_the_inbox_are_counted(ros_context, ros_params_file):
+    ctl = _controller(ros_context, ros_params_file)
+    try:
+        # No executor: no tick drains the inbox while 40 chunks arrive through the callback.
+        for k in range(40):
+            ctl._on_chunk(_chunk_msg(10**9 + k))  # noqa: SLF001
+        assert ctl.drops.counts["inbox_full"] == 40 - ctl._inbox.maxlen  # noqa: SLF001
+    finally:
+        ctl.destroy_node()
+
+
+def test_diagnostics_read_drop_counts_while_callbacks_write_them(ros_context):
+    """Callbacks on several threads drop frames for new reasons while the diagnostics timer
+    reads the counts; reading a copy taken under the lock, it never sees the dict change."""
+    from vla_accel_ros.ros.camera_node import CameraNode
+
+    cam = CameraNode(context=ros_context)
+    stop, errors = threading.Event(), []
+
+    def writer(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            cam.drops.drop(f"reason_{k}_{i}", "x")
+            i += 1
+
+    from rclpy.logging import LoggingSeverity
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(3)]
+    cam.get_logger().set_level(LoggingSeverity.ERROR)  # every new reason would log a warning
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            try:
+                cam._publish_diagnostics()  # noqa: SLF001
+            except RuntimeError as e:  # "dictionary changed size during iteration"
+                errors.append(str(e))
+                break
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        cam.destroy_node()
+    assert not errors, errors

@@ -86,6 +86,11 @@ class BundleSpec(Config):
     def grid(self) -> int:
         return self.image_size // self.patch_size
 
+    @property
+    def decoder_layers(self) -> int:
+        """Layers of the VLM decoder (what a config's layer indices are checked against)."""
+        return int(self.lm["num_hidden_layers"])
+
 
 def _head_dim(spec: Mapping[str, Any]) -> int:
     return int(spec.get("head_dim") or spec["hidden_size"] // spec["num_attention_heads"])

@@ -49,7 +49,10 @@ _READ_ONLY = (
 
 def _check(cfg: ControllerConfig) -> None:
     if cfg.scheduler.rtc and not cfg.request_chunks:
-        raise ConfigError("scheduler.rtc needs request_chunks: RTC guidance travels in ChunkRequests")
+        raise ConfigError(
+            "scheduler.rtc=True needs request_chunks=True (RTC guidance travels in ChunkRequests); "
+            "set request_chunks to true or rtc to false"
+        )
 
 
 class ActionControllerNode(Node):
@@ -95,7 +98,10 @@ class ActionControllerNode(Node):
     # -- inputs ---------------------------------------------------------------------------------
     def _on_chunk(self, msg: ActionChunkMsg) -> None:
         with self._lock:
-            self._inbox.append(msg)
+            full = len(self._inbox) == self._inbox.maxlen
+            self._inbox.append(msg)  # a full inbox loses its oldest chunk: counted
+        if full:
+            self.drops.drop("inbox_full", f"more than {self._inbox.maxlen} chunks between two ticks: the oldest was dropped")
 
     def _on_obs_stamp(self, msg: Header) -> None:
         with self._lock:
@@ -140,8 +146,7 @@ class ActionControllerNode(Node):
             self.get_logger().warning(text)
         for reason, detail in out.drops:
             self.drops.drop(reason, detail)
-        if out.command is not None:
-            self.backend.publish(out.command, now)
+        self.control.send(out, lambda command: self.backend.publish(command, now))
         if out.motion is not None:
             self._motion_pub.publish(motion_to_msg(out.motion, now, self.cfg.robot.joint_names))
         if out.request is not None:
@@ -179,6 +184,7 @@ class ActionControllerNode(Node):
             "chunks": c.chunks_in,
             "requests": c.requests_out,
             "commands": c.commands,
+            "commands withheld": c.withheld,
             "enabled": enabled,
             "estop": estop,
             "watchdog trips": c.watchdog.trips,
@@ -186,7 +192,7 @@ class ActionControllerNode(Node):
             "clamped": clamped,
             "motion mode": MODE_NAMES[c.motion.mode],
         }
-        values.update({f"dropped {k}": v for k, v in self.drops.counts.items()})
+        values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
         self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: control", level, message, values)]))
 
     def reset_stats(self) -> None:

@@ -126,14 +126,14 @@ class CameraNode(Node):
             level, message = WARN, reject
         values: dict[str, object] = {f"frames {c}": self.frames[c] for c in self.assembler.cameras}
         values.update({"observations": self.observations, "dropped": self.drops.total})
-        values.update({f"dropped {k}": v for k, v in self.drops.counts.items()})
+        values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
         values.update({f"rejected {k}": v for k, v in rejects.items()})
         self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: cameras", level, message, values)]))
 
     def reset_stats(self) -> None:
         self.frames.clear()
         self.observations = 0
-        self.drops.counts.clear()
+        self.drops.clear()
 
     def summary(self) -> dict[str, object]:
         return {"frames": sum(self.frames.values()), "observations": self.observations, "dropped": self.drops.total}

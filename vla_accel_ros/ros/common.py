@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -27,6 +28,14 @@ OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.E
 # it wait behind that thread several times per tick. 1 ms measured lower jitter (bringup, 2 cores).
 GIL_SWITCH_INTERVAL_S = 0.001
 
+MAX_LOGGED_CHARS = 200  # a text from the outside world is logged at most this long
+
+
+def capped(text: str, limit: int = MAX_LOGGED_CHARS) -> str:
+    """``text`` for a log line: at most ``limit`` characters, saying how long it was."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
 
 def prefer_responsive_threads() -> None:
     if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
@@ -44,7 +53,9 @@ def subscribe_joint_states(
     drop: Callable[[str, str], None],
 ) -> None:
     """Feed ``state`` from the robot's JointState topics (message stamp, else receive time).
-    A message stamped more than ``max_future_ms()`` ahead of the node's clock is dropped."""
+    A message stamped more than ``max_future_ms()`` ahead of the node's clock is dropped;
+    NaN / inf positions are dropped (the assembler keeps the joint's last finite reading) and
+    counted as ``nonfinite_joint_state``."""
 
     def on_joint_state(index: int, msg: JointState) -> None:
         now = node.get_clock().now().nanoseconds
@@ -53,6 +64,9 @@ def subscribe_joint_states(
         if stamp - now > limit * 1e6:
             drop("future_stamp", f"{topics[index]}: stamped {(stamp - now) / 1e6:.1f} ms ahead of the clock > max_future_ms {limit:g}")
             return
+        bad = [n for n, v in zip(msg.name, msg.position) if not math.isfinite(v)]
+        if bad:
+            drop("nonfinite_joint_state", f"{topics[index]}: {capped(', '.join(bad))} not finite")
         with lock:
             state.update(index, msg.name, msg.position, stamp)
 
@@ -80,24 +94,40 @@ def diagnostics(node: Node, statuses: list[DiagnosticStatus]) -> DiagnosticArray
 
 class DropCounter:
     """Counts dropped inputs by reason and logs each reason at most once per throttle period
-    (throttled per reason, so a flood of one kind cannot hide another)."""
+    (throttled per reason, so a flood of one kind cannot hide another). Callbacks on any thread
+    drop; diagnostics read :meth:`snapshot` (a copy taken under the lock, never the live counter)."""
 
     def __init__(self, node: Node, what: str, throttle_s: float) -> None:
         self.node, self.what, self.throttle_s = node, what, throttle_s
         self.counts: Counter[str] = Counter()
         self._logged: dict[str, float] = {}
+        self._lock = threading.Lock()
 
     def drop(self, reason: str, detail: str) -> None:
-        self.counts[reason] += 1
         now = time.monotonic()
-        last = self._logged.get(reason)
-        if last is None or now - last >= self.throttle_s:
-            self._logged[reason] = now
-            self.node.get_logger().warning(f"dropped {self.what} ({reason}, {self.counts[reason]} so far): {detail}")
+        with self._lock:
+            self.counts[reason] += 1
+            n = self.counts[reason]
+            last = self._logged.get(reason)
+            log = last is None or now - last >= self.throttle_s
+            if log:
+                self._logged[reason] = now
+        if log:
+            self.node.get_logger().warning(f"dropped {self.what} ({reason}, {n} so far): {capped(detail)}")
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.counts.clear()
 
     @property
     def total(self) -> int:
-        return sum(self.counts.values())
+        with self._lock:
+            return sum(self.counts.values())
+
 
 
 def drain_executor(executor: MultiThreadedExecutor, timeout_s: float = 5.0) -> None:

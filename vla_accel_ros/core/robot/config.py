@@ -201,6 +201,9 @@ class PolicyNodeConfig(Config):
     )
     shared_channel: str = param("observations", doc="name of the shared buffer (observation_transport=shared)", read_only=True)
     warmup: bool = param(True, doc="run one inference on a blank observation before reporting ready", read_only=True)
+    slow_inference_s: float = param(
+        5.0, doc="/diagnostics warn while one inference has run longer than this", range=(0.01, 3600.0)
+    )
     robot: RobotConfig = param(RobotConfig(), doc="action / state layout")
     policy: PolicyConfig = param(PolicyConfig(), doc="the policy's run-time options")
 
@@ -315,13 +318,21 @@ class ControllerConfig(Config):
         for name, values in (("lower", s.lower), ("upper", s.upper)):
             if values and len(values) != n:
                 raise ConfigError(f"safety.{name} has {len(values)} values for {n} joints; give {n} or none")
-        if s.lower and s.upper and any(lo > hi for lo, hi in zip(s.lower, s.upper)):
-            raise ConfigError("safety.lower must not exceed safety.upper")
+        for i, (lo, hi) in enumerate(zip(s.lower, s.upper)):
+            if lo > hi:
+                raise ConfigError(
+                    f"safety.lower[{i}]={lo} exceeds safety.upper[{i}]={hi} ({self.robot.joint_names[i]}): "
+                    "each lower limit must be <= its upper limit"
+                )
         if len(s.max_step) not in (1, n):
             raise ConfigError(f"safety.max_step needs 1 or {n} values, got {len(s.max_step)}")
         arms = len(self.robot.arms)
         c = self.command
         if c.backend == "interbotix" and len(c.interbotix_namespaces) != arms:
-            raise ConfigError(f"command.interbotix_namespaces needs one namespace per arm ({arms})")
+            raise ConfigError(
+                f"command.interbotix_namespaces={list(c.interbotix_namespaces)} needs one namespace per arm ({arms})"
+            )
         if c.backend in ("ee_pose", "ee_twist") and (len(c.ee_topics) != arms or len(c.ee_frame_ids) != arms):
-            raise ConfigError(f"command.ee_topics and ee_frame_ids need one entry per arm ({arms})")
+            raise ConfigError(
+                f"command.ee_topics={list(c.ee_topics)} and ee_frame_ids={list(c.ee_frame_ids)} need one entry per arm ({arms})"
+            )

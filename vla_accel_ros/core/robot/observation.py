@@ -183,6 +183,10 @@ class StateGate:
         st = self.assembler.state()
         if st is None:
             missing = self.missing()
+            bad = [n for n in self.assembler.nonfinite() if n in missing]
+            if bad:
+                more = " ..." if len(bad) > 4 else ""
+                return self._reject("no_state", f"joint states for {', '.join(bad[:4])}{more} are not finite (NaN / inf)")
             more = " ..." if len(missing) > 4 else ""
             return self._reject("no_state", f"no joint states yet for {', '.join(missing[:4])}{more}")
         state, state_stamp = st

@@ -19,16 +19,17 @@ Every :meth:`ControlLoop.tick`:
    yet: an inference request for it (with Real-Time Chunking guidance when ``scheduler.rtc``);
    an observation stamped in the future the same way is never asked for.
 
-The node converts messages, calls :meth:`tick` from its timer and publishes the
-:class:`TickOutput`. Enable and e-stop come from other threads (a service, a latched topic):
-:meth:`set_enabled` / :meth:`set_estop` are thread-safe and take effect at the next tick.
+The node converts messages, calls :meth:`tick` from its timer and sends the command through
+:meth:`send`. Enable and e-stop come from other threads (a service, a latched topic):
+:meth:`set_enabled` / :meth:`set_estop` are thread-safe and take effect at once: a command a
+tick computed before they arrived is withheld by :meth:`send` (counted in ``withheld``).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -62,6 +63,7 @@ class ControlLoop:
         self._restart = False  # enable / e-stop changed: restart the plan from the measured pose
         self.tick_count = 0
         self.commands = self.chunks_in = self.requests_out = self.late_actions = 0
+        self.withheld = 0  # commands computed, then stopped by an e-stop / disable before they left
         self.got_chunk = False  # waiting for the very first chunk is start-up, not holding
         self.holding_ticks = self.steps = 0
         self._request_id = 0
@@ -84,6 +86,20 @@ class ControlLoop:
             ok, message = self.safety.set_enabled(bool(enabled))
             self._restart = self._restart or ok
         return ok, message
+
+    def send(self, out: TickOutput, publish: Callable[[np.ndarray], None]) -> bool:
+        """Publish ``out.command`` unless output was stopped after the tick computed it. Holds
+        the gating lock while publishing: an e-stop or disable that arrives now waits for this
+        one publish, and once :meth:`set_estop` returns no command leaves."""
+        if out.command is None:
+            return False
+        with self._lock:
+            if not self.safety.output_allowed:
+                self.commands -= 1
+                self.withheld += 1
+                return False
+            publish(out.command)
+            return True
 
     def gating(self) -> tuple[bool, bool, int, int]:
         """(enabled, e-stop, commands limited, commands clamped), read consistently."""
@@ -138,7 +154,11 @@ class ControlLoop:
             self.holding_ticks += bool(result.holding)
         action = result.action
         if action is not None and allowed and not self.safety.has_reference(measured):
-            out.drops.append(("no_reference", "no joint states yet: the first command could not be clamped; not commanding"))
+            out.drops.append((
+                "no_reference",
+                "no usable joint states yet (none arrived, or not finite: see dropped nonfinite_joint_state): "
+                "the first command could not be clamped; not commanding",
+            ))  # fmt: skip
         elif action is not None and allowed:
             with self._lock:
                 out.command = self.safety.filter(action, measured).command
