@@ -210,6 +210,30 @@ def test_a_layer_index_beyond_the_model_is_refused_when_set_and_nothing_changes(
     helpers.wait_for(lambda: probe.count() >= n + 3, TIMEOUT, "chunks after the refused changes")
 
 
+def test_before_the_model_loads_layer_indices_are_checked_against_the_bundle(ros_context, tiny_bundles, tmp_path):
+    """No model yet (here it never loads: the weights are missing): the bundle's config.json
+    still says how deep the model is, and a change beyond it is refused when it is set."""
+    import shutil
+
+    from vla_accel_ros.core.bundle import CONFIG_FILE
+    from vla_accel_ros.ros.policy_node import PolicyNode
+
+    bundle = tmp_path / "config_only"
+    bundle.mkdir()
+    shutil.copy(tiny_bundles["flow"] / CONFIG_FILE, bundle / CONFIG_FILE)
+    overrides = [Parameter("bundle", value=str(bundle)), Parameter("policy.accel", value="cache")]
+    node = PolicyNode(context=ros_context, parameter_overrides=overrides)
+    try:
+        helpers.wait_for(lambda: node.failure, TIMEOUT, "the load to fail")
+        assert node.policy is None
+        result = node.set_parameters([Parameter("policy.cache.relevance_layer", value=9)])[0]
+        assert not result.successful and "policy.cache.relevance_layer=9" in result.reason and "[-1, 3]" in result.reason
+        assert node.set_parameters([Parameter("policy.cache.relevance_layer", value=3)])[0].successful
+    finally:
+        node.close()
+        node.destroy_node()
+
+
 def test_a_failing_step_of_the_worker_is_counted_and_the_worker_goes_on(policy_graph):
     node, probe = policy_graph
     real, failed = node.worker.next_job, []
