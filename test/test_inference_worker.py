@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.errors import ConfigError, ObservationError
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig, RobotConfig
 from vla_accel_ros.core.robot.inference import InferenceWorker, Request
@@ -49,6 +49,12 @@ class FakePolicy:
 
     def set_motion_mode(self, mode: str) -> None:
         self.modes.append(mode)
+
+    def text_ids(self, instruction: str) -> list[int]:
+        ids = instruction.split()
+        if len(ids) > 8:
+            raise ObservationError(f"instruction is {len(ids)} tokens long with its template; the bundle accepts max_text_tokens=8")
+        return ids
 
 
 def _worker(**cfg) -> tuple[InferenceWorker, FakePolicy, list, list]:
@@ -179,3 +185,16 @@ def test_a_planner_that_fails_to_build_or_a_failing_step_never_stops_the_loop():
     assert w.errors == 1 and drops.count("inference_error") == 1 and any("KeyError" in t for _, t in logs)
     assert any("not applied" in t and "RuntimeError" in t for _, t in logs) and w.cfg.policy == PolicyConfig()
     assert w.last_chunk_at is not None and w.since_last_chunk_s() >= 0.0 and w.running_s() == 0.0
+
+
+def test_an_instruction_too_long_for_the_model_is_refused_and_the_previous_one_stays():
+    w, policy, _, _ = _worker(max_instruction_chars=100)
+    assert w.set_instruction("stack the cups") == "" and w.instruction_text() == "stack the cups"
+    assert "max_instruction_chars 100" in w.set_instruction("x" * 101)  # refused before tokenizing
+    assert "max_text_tokens=8" in w.set_instruction("put " * 20)  # the model's own limit
+    assert w.instruction_text() == "stack the cups"
+    # Taken while no model was loaded (only its length checked), then refused by the model.
+    w.policy = None
+    assert w.set_instruction("put " * 20) == ""
+    w.policy = policy
+    assert "max_text_tokens" in w.recheck_instruction() and w.instruction_text() == ""

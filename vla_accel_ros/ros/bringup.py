@@ -19,7 +19,7 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from vla_accel_ros.core.robot.observation import SharedChannels
-from vla_accel_ros.ros.common import drain_executor, prefer_responsive_threads
+from vla_accel_ros.ros.common import drain_executor, prefer_responsive_threads, return_freed_frames_to_the_system
 from vla_accel_ros.ros.graph import CAMERA, CONTROLLER, POLICY, SIM, Graph, NodeSpec
 
 
@@ -129,6 +129,7 @@ def start(
 ) -> RunningGraph:
     """Create every available node of ``graph`` and spin them on a background thread."""
     prefer_responsive_threads()
+    return_freed_frames_to_the_system()
     if context is None:
         context = Context()
         rclpy.init(context=context, domain_id=domain_id)

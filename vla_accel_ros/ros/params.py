@@ -29,6 +29,7 @@ from rclpy.parameter import Parameter
 
 from vla_accel_ros.core.config import Config, flatten, unflatten
 from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.ros.common import capped
 
 _SCALARS = {
     bool: Parameter.Type.BOOL,
@@ -196,7 +197,7 @@ class ConfigParameters:
         try:
             cfg = self._build(values)
         except ConfigError as e:  # the reason names what was set and its value, then why not
-            asked = ", ".join(f"{p.name}={values[p.name]!r}" for p in mine)
+            asked = ", ".join(f"{p.name}={capped(repr(values[p.name]))}" for p in mine)
             return SetParametersResult(successful=False, reason=f"{asked} rejected: {e}")
         with self._lock:
             self._candidate = (values, cfg)

@@ -33,7 +33,7 @@ from std_srvs.srv import Trigger
 
 from vla_accel_ros.core.bundle import BundleSpec, read_spec
 from vla_accel_ros.core.config import changed_fields, flatten
-from vla_accel_ros.core.errors import VlaAccelError
+from vla_accel_ros.core.errors import ConfigError, VlaAccelError
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig
 from vla_accel_ros.core.robot.inference import InferenceWorker, Request, Served
@@ -43,7 +43,7 @@ from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest, InferenceStats, MotionState
 from vla_accel_ros.msg import Observation as ObservationMsg
 from vla_accel_ros.ros import graph, qos
-from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status, subscribe_joint_states
+from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, capped, diagnostics, spin_node, status, subscribe_joint_states
 from vla_accel_ros.ros.conversions import (
     chunk_to_msg,
     guidance_from_msg,
@@ -103,6 +103,10 @@ class PolicyNode(Node):
         policy = self.policy
         if policy is not None:
             policy.check_config(cfg.policy)
+            try:
+                policy.text_ids(cfg.instruction)
+            except VlaAccelError as e:
+                raise ConfigError(str(e)) from e
         elif self._spec is not None and cfg.policy.accel == "cache":
             cfg.policy.cache.check_layers(self._spec.decoder_layers)
 
@@ -129,8 +133,11 @@ class PolicyNode(Node):
         self._stamp_pub.publish(header(stamp_ns))
 
     def _on_instruction(self, msg: String) -> None:
-        self.worker.set_instruction(msg.data)
-        self.get_logger().info(f"instruction: {msg.data!r}")
+        why = self.worker.set_instruction(msg.data)
+        if why:  # counted and throttled: a storm of them cannot flood the log
+            self.drops.drop("instruction", f"instruction refused, the previous one stays: {why}: {capped(msg.data, 80)!r}")
+        else:
+            self.get_logger().info(f"instruction: {capped(msg.data)!r}")
 
     def _on_request(self, msg: ChunkRequest) -> None:
         req = Request(stamp_to_ns(msg.header.stamp), int(msg.request_id), int(msg.motion_mode), has_guidance=bool(msg.has_guidance))
@@ -173,8 +180,11 @@ class PolicyNode(Node):
         cfg = self.worker.cfg
         t0 = time.perf_counter()
         self.get_logger().info(f"loading {cfg.bundle} ...")
-        policy = load_for_robot(cfg, self.worker.instruction_text())
+        policy = load_for_robot(cfg)  # warmed up on the bundle's instruction: the topic's is checked next
         self.policy = self.worker.policy = policy
+        why = self.worker.recheck_instruction()
+        if why:
+            self.get_logger().error(f"the instruction from the topic is refused by the model and forgotten: {why}")
         self.ready = True
         self._ready_pub.publish(Bool(data=True))
         s = policy.spec

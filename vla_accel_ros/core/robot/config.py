@@ -185,6 +185,9 @@ class SyncConfig(Config):
 class PolicyNodeConfig(Config):
     bundle: str = param("", doc="path of the model bundle to load", read_only=True)
     instruction: str = param("", doc="instruction used until one arrives on the instruction topic ('' = the bundle's)")
+    max_instruction_chars: int = param(
+        1000, doc="a longer instruction (topic or parameter) is refused before it is tokenized", range=(1, 1_000_000)
+    )
     trigger: str = param(
         "request",
         doc="request: infer when the controller asks (ChunkRequest, carries RTC guidance); "
@@ -206,6 +209,13 @@ class PolicyNodeConfig(Config):
     )
     robot: RobotConfig = param(RobotConfig(), doc="action / state layout")
     policy: PolicyConfig = param(PolicyConfig(), doc="the policy's run-time options")
+
+    def validate(self) -> None:
+        if len(self.instruction) > self.max_instruction_chars:
+            raise ConfigError(
+                f"PolicyNodeConfig.instruction has {len(self.instruction)} characters, more than "
+                f"max_instruction_chars={self.max_instruction_chars}"
+            )
 
 
 @dataclass(frozen=True)

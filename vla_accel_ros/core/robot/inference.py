@@ -7,7 +7,8 @@ liveness (time since the last chunk, how long the current inference runs) is rea
 diagnostics. The graph's inputs reach it from any thread through
 ``set_instruction``, ``reset_episode``, ``set_motion_mode``, ``requests`` (latest-only) and
 the observation channel. It talks to the policy only through its public interface
-(``infer``, ``reset``, ``configure``, ``set_motion_mode``, ``check_config``).
+(``infer``, ``reset``, ``configure``, ``set_motion_mode``, ``check_config``, and ``text_ids`` to
+ask whether an instruction fits).
 
 * ``trigger: request``: the controller names an observation by the stamp the node announced;
   the request waits ``request_wait_ms`` for it, and when the history no longer holds it the
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vla_accel_ros.core.config import changed_fields, flatten
-from vla_accel_ros.core.errors import ConfigError, VlaAccelError
+from vla_accel_ros.core.errors import ConfigError, ObservationError, VlaAccelError
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig
 from vla_accel_ros.core.robot.loop_stats import Percentiles
@@ -103,11 +104,44 @@ class InferenceWorker:
         self._tracebacks: set[str] = set()
 
     # -- inputs, from any thread -------------------------------------------------------------------
-    def set_instruction(self, text: str) -> None:
+    def set_instruction(self, text: str) -> str:
+        """A new instruction from the topic; returns '' when it is taken, else why not (the
+        previous one stays): longer than ``max_instruction_chars``, or, once the policy is
+        loaded, more tokens than the model takes."""
+        why = self.refuse_instruction(text)
+        if why:
+            return why
         with self.lock:
             if text != self._instruction:
                 self._instruction = text
                 self._pending_reset = self._pending_reset or "instruction"
+        return ""
+
+    def refuse_instruction(self, text: str) -> str:
+        """Why ``text`` cannot be the instruction ('' when it can)."""
+        limit = self.cfg.max_instruction_chars
+        if len(text) > limit:
+            return f"it has {len(text)} characters > max_instruction_chars {limit}"
+        policy = self.policy
+        if policy is not None:
+            try:
+                policy.text_ids(text)
+            except ObservationError as e:
+                return str(e)
+        return ""
+
+    def recheck_instruction(self) -> str:
+        """Once the policy is loaded: the topic's instruction, taken while only its length could
+        be checked, is checked by the model; refused, it is forgotten (the parameter's or the
+        bundle's serves). Returns why ('' when it stays)."""
+        with self.lock:
+            text = self._instruction
+        why = self.refuse_instruction(text) if text else ""
+        if why:
+            with self.lock:
+                if self._instruction == text:
+                    self._instruction = ""
+        return why
 
     def reset_episode(self) -> int:
         """A new episode: the policy resets before the next inference. Returns its index."""
