@@ -112,6 +112,19 @@ def test_a_chunk_or_observation_stamped_in_the_future_is_dropped_and_later_ones_
     assert loop.tick(T0 + 4 * DT, measured=POSE).command is not None and loop.chunks_in == 1
 
 
+def test_the_watchdog_counts_time_not_ticks():
+    """50 periods at 50 Hz = 1 s: a loop that ticks at 25 Hz still holds after 1 s, not 2 s."""
+    loop = _loop(watchdog_periods=50)
+    loop.tick(T0, measured=POSE, chunks=[_chunk(T0, rows=3)])
+    tripped_at = None
+    for k in range(1, 60):
+        now = T0 + k * 2 * DT  # every second tick is missed
+        if any("watchdog" in w for w in loop.tick(now, measured=POSE).warnings):
+            tripped_at = now
+            break
+    assert tripped_at is not None and 1.0 < (tripped_at - T0) / 1e9 <= 1.0 + 2 * DT / 1e9
+
+
 def test_an_estop_after_the_tick_computed_its_command_withholds_it():
     loop = _loop()
     loop.tick(T0, measured=POSE, chunks=[_chunk(T0)])

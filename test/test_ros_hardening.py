@@ -21,7 +21,7 @@ from std_msgs.msg import Bool  # noqa: E402
 
 from vla_accel_ros.msg import ActionChunk, Observation  # noqa: E402
 from vla_accel_ros.ros import graph, qos  # noqa: E402
-from vla_accel_ros.ros.common import capped, drain_executor  # noqa: E402
+from vla_accel_ros.ros.common import drain_executor  # noqa: E402
 from vla_accel_ros.ros.conversions import header, observation_to_msg  # noqa: E402
 import helpers  # noqa: E402  (test/helpers.py)
 from test_robot_images import _bilevel_png  # noqa: E402
@@ -240,6 +240,8 @@ def test_instructions_are_bounded_in_the_log_and_by_the_model(policy_graph):
     with the model's reason; the instruction in use stays."""
     from rcl_interfaces.msg import Log
     from std_msgs.msg import String
+
+    from vla_accel_ros.ros.common import capped
 
     node, probe = policy_graph
     logs: list[Log] = []
@@ -484,3 +486,46 @@ def test_node_processes_return_freed_frames_to_the_system():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) < 20  # MB
+
+
+def test_ctrl_c_on_a_standalone_policy_node_during_inference_ends_it_cleanly(tiny_bundles, ros_params_file, ros_context, tmp_path):
+    """The node's own process (python -m ...policy_node), inferring back to back; Ctrl-C lands
+    during an inference: the worker stops before the context, no RCLError, exit code 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    mine = tmp_path / "policy.yaml"  # a node's section wins over -p: a second file
+    mine.write_text(yaml.safe_dump({"policy_node": {"ros__parameters": {"bundle": str(tiny_bundles["flow"]), "trigger": "continuous"}}}))
+    cmd = [sys.executable, "-m", "vla_accel_ros.ros.policy_node", "--ros-args", "--params-file", str(ros_params_file),
+           "--params-file", str(mine)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    probe = RobotProbe(ros_context)
+    try:
+        with spinning(ros_context, probe):
+            helpers.wait_for(lambda: probe.count() >= 5, 120.0, "chunks from the policy process")
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out and "RCLError" not in out, out[-3000:]
+
+
+def test_ctrl_c_while_a_node_starts_ends_it_without_a_traceback(ros_params_file):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "vla_accel_ros.ros.camera_node", "--ros-args", "--params-file", str(ros_params_file)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    line = proc.stdout.readline()  # the node's first log line: it is being built
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in out, line + out

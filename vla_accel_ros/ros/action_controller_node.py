@@ -9,11 +9,14 @@ what it returns: the command through the backend (unless output is disabled with
 or the ``estop`` is active), ``motion_state``, and a ``ChunkRequest`` (with Real-Time Chunking
 guidance when ``scheduler.rtc``). All on the timer's thread: the loop is never shared.
 
-``/diagnostics`` reports loop rate, jitter, obs-to-chunk latency, holding and safety state.
+``/diagnostics`` reports loop rate, jitter (p50, p99, std, max), obs-to-chunk latency, holding
+and safety state. Run on its own (``ros2 run``, ``ros2 launch``, ``vla-accel bringup``) the node
+spins on one thread, at SCHED_FIFO priority ``realtime_priority`` when it is set and allowed.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -173,6 +176,8 @@ class ActionControllerNode(Node):
         values = {
             "loop rate hz": loop.rate_hz,
             "period mean ms": loop.period_mean_ms,
+            "jitter p50 ms": loop.jitter_p50_ms,
+            "jitter p99 ms": loop.jitter_p99_ms,
             "jitter std ms": loop.jitter_std_ms,
             "jitter max ms": loop.jitter_max_ms,
             "obs-to-chunk p50 ms": m.latency_p50_ms,
@@ -210,6 +215,8 @@ class ActionControllerNode(Node):
             "chunks": c.chunks_in,
             "requests": c.requests_out,
             "loop_rate_hz": loop.rate_hz,
+            "jitter_p50_ms": loop.jitter_p50_ms,
+            "jitter_p99_ms": loop.jitter_p99_ms,
             "jitter_std_ms": loop.jitter_std_ms,
             "jitter_max_ms": loop.jitter_max_ms,
             "holding_fraction": c.holding_fraction(),
@@ -222,9 +229,24 @@ class ActionControllerNode(Node):
     def close(self) -> None:
         pass
 
+    def use_realtime_priority(self) -> None:
+        """``realtime_priority``: SCHED_FIFO for the calling thread, which spins this node in its
+        own process (:func:`main`); never applied to a process that hosts other nodes."""
+        prio = self.cfg.realtime_priority
+        if not prio:
+            return
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(prio))
+        except (OSError, AttributeError) as e:
+            self.get_logger().warning(f"realtime_priority {prio} not applied (needs CAP_SYS_NICE or an rtprio limit): {e}")
+            return
+        self.get_logger().info(f"control loop at SCHED_FIFO priority {prio}")
+
 
 def main(args: list[str] | None = None) -> None:
-    spin_node(ActionControllerNode, args)
+    # One thread: a thread pool costs more per callback than the 50 Hz tick itself (measured: 34 %
+    # of a core against 18 %), and the tick, e-stop and enable never wait more than one callback.
+    spin_node(ActionControllerNode, args, threads=1, prepare=ActionControllerNode.use_realtime_priority)
 
 
 if __name__ == "__main__":

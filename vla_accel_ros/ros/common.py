@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
 import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Callable, Sequence
 
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
 from rclpy.callback_groups import CallbackGroup
 from rclpy.node import Node
+from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import JointState
 
 from vla_accel_ros.core.robot.observation import StateGate
@@ -163,31 +168,70 @@ def drain_executor(executor: MultiThreadedExecutor, timeout_s: float = 5.0) -> N
     executor.shutdown(timeout_sec=timeout_s)
 
 
-def spin_node(factory: Callable[..., Node], args: list[str] | None = None) -> None:
+SUMMARY_OUT = "--summary-out"  # a node's own argument (outside --ros-args): write summary() there at exit
+
+
+def _pop_option(argv: list[str], name: str) -> str | None:
+    """Remove ``name VALUE`` from ``argv`` (before any --ros-args) and return VALUE."""
+    end = argv.index("--ros-args") if "--ros-args" in argv else len(argv)
+    for i in range(1, end - 1):
+        if argv[i] == name:
+            value = argv[i + 1]
+            del argv[i : i + 2]
+            return value
+    return None
+
+
+def spin_node(
+    factory: Callable[..., Node], args: list[str] | None = None, *, threads: int = 4, prepare: Callable[[Node], None] | None = None
+) -> None:
     """``main()`` of every node: init, build, spin on a MultiThreadedExecutor, shut down.
 
-    Errors are not swallowed: a node that cannot start raises (non-zero exit); Ctrl-C and an
-    external shutdown end the spin quietly. ``rclpy.init()`` with try/finally (not ``with``),
+    Errors are not swallowed: a node that cannot start raises (non-zero exit). Ctrl-C (SIGINT)
+    and SIGTERM, whenever they come (while the node starts, or during an inference), end it
+    quietly and in order: rclpy's own signal handler is off, so the context stays valid until
+    the node has closed (its worker stopped) and the executor drained, and nothing publishes
+    into a context that is already shut down. ``rclpy.init()`` with try/finally (not ``with``),
     which works from Humble on.
+
+    For a launcher that runs each node in its own process (``vla-accel bringup``): SIGUSR1
+    resets the node's statistics (``reset_stats``) and ``--summary-out PATH`` (before
+    ``--ros-args``) writes ``summary()`` (with the process id) as JSON to PATH once the node has
+    closed. ``threads`` 1 spins a SingleThreadedExecutor (less overhead per callback than a
+    thread pool); ``prepare(node)`` runs in this (the spinning) thread before it spins.
     """
+    argv = list(sys.argv if args is None else args)
+    summary_out = _pop_option(argv, SUMMARY_OUT)
     prefer_responsive_threads()
     return_freed_frames_to_the_system()
-    rclpy.init(args=args if args is not None else sys.argv)
-    node = None
+    reset = threading.Event()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # the same orderly end as Ctrl-C
+    signal.signal(signal.SIGUSR1, lambda *_: reset.set())
+    rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
+    node = executor = None
     try:
         node = factory()
-        executor = MultiThreadedExecutor(num_threads=4)
+        executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
         executor.add_node(node)
-        try:
-            executor.spin()
-        except (KeyboardInterrupt, ExternalShutdownException):
-            pass
-        finally:
-            drain_executor(executor)
+        if prepare is not None:
+            prepare(node)
+        while rclpy.ok():
+            executor.spin_once(timeout_sec=0.1)
+            if reset.is_set():
+                reset.clear()
+                getattr(node, "reset_stats", lambda: None)()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
         if node is not None:
-            close = getattr(node, "close", None)
-            if close is not None:
-                close()
+            getattr(node, "close", lambda: None)()  # the worker stops while the context is valid
+        if executor is not None:
+            drain_executor(executor)
+        if node is not None:
+            if summary_out:
+                summary = {**getattr(node, "summary", dict)(), "pid": os.getpid()}
+                Path(summary_out).write_text(json.dumps(summary, default=str) + "\n")
             node.destroy_node()
         rclpy.try_shutdown()

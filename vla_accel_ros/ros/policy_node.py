@@ -21,6 +21,7 @@ loads the bundle, runs the worker's thread and publishes.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -155,6 +156,12 @@ class PolicyNode(Node):
 
     # -- the worker thread --------------------------------------------------------------------
     def _run(self) -> None:
+        nice = self.worker.cfg.worker_nice
+        if nice:  # this thread only (Linux: per-thread niceness); torch's threads, started from it, inherit it
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            except (OSError, AttributeError) as e:
+                self.get_logger().warning(f"worker_nice {nice} not applied: {e}")
         try:
             self._load()
         except Exception as e:  # noqa: BLE001 - any load failure: report, stay up, never command

@@ -204,6 +204,11 @@ class PolicyNodeConfig(Config):
     )
     shared_channel: str = param("observations", doc="name of the shared buffer (observation_transport=shared)", read_only=True)
     warmup: bool = param(True, doc="run one inference on a blank observation before reporting ready", read_only=True)
+    worker_nice: int = param(
+        10, doc="niceness of the inference thread and the torch threads it starts (0: as the node); the "
+        "control loop, the camera and every node's DDS callbacks then come first on a busy CPU", range=(0, 19),
+        read_only=True,
+    )  # fmt: skip
     slow_inference_s: float = param(
         5.0, doc="/diagnostics warn while one inference has run longer than this", range=(0.01, 3600.0)
     )
@@ -231,8 +236,9 @@ class SafetyConfig(Config):
         "(LeRobot's max_relative_target; rad or normalized gripper units)", range=(1e-6, 1e6),
     )  # fmt: skip
     watchdog_periods: int = param(
-        50, doc="hold position after this many control periods without a fresh chunk", range=(1, 1_000_000)
-    )
+        50, doc="hold position when no fresh chunk came for this many control periods of time (periods / "
+        "control_rate_hz seconds, measured on the clock, not counted in ticks)", range=(1, 1_000_000),
+    )  # fmt: skip
     start_enabled: bool = param(False, doc="command output enabled at start-up (else call ~/enable)")
     require_reference: bool = param(
         True,
@@ -309,6 +315,11 @@ class ControllerConfig(Config):
     request_chunks: bool = param(True, doc="send ChunkRequests (with RTC guidance) when the scheduler wants a chunk")
     diagnostics_period_s: float = param(1.0, doc="period of /diagnostics", range=(0.05, 3600.0))
     max_future_ms: float = _max_future_ms()
+    realtime_priority: int = param(
+        0, doc="SCHED_FIFO priority (1-99) of the control loop's threads, so nothing else on the machine delays a "
+        "tick (needs CAP_SYS_NICE or an rtprio limit; refused with a warning otherwise); 0: the normal scheduler",
+        range=(0, 99), read_only=True,
+    )  # fmt: skip
     stale_chunks: str = param(
         "drop",
         doc="a chunk whose every action is already past (e.g. a 1-action chunk from an autoregressive policy "

@@ -5,8 +5,9 @@ Every :meth:`ControlLoop.tick`:
 
 1. a clock that jumped back (sim time restarted, a bag looped), or an enable / e-stop change,
    restarts the plan from the measured pose;
-2. the watchdog: ``safety.watchdog_periods`` ticks without a fresh chunk -> hold position
-   (the scheduler restarts from the last command and blends into the next chunk);
+2. the watchdog: ``safety.watchdog_periods`` control periods of time (periods x dt, on the
+   tick's clock, however many ticks ran meanwhile) without a fresh chunk -> hold position (the
+   scheduler restarts from the last command and blends into the next chunk);
 3. ``scheduler.step`` -> safety filter (limits, per-step clamp) -> the command to send, unless
    output is disabled or the e-stop is active;
 4. motion estimate (ViperX FK) of the command: coarse | fine with hysteresis; entering fine
@@ -57,7 +58,7 @@ class ControlLoop:
         self.config = config
         self.scheduler = ChunkScheduler(config.scheduler)
         self.safety = SafetyFilter(config.robot, config.safety)
-        self.watchdog = Watchdog(config.safety.watchdog_periods)
+        self.watchdog = Watchdog(self._watchdog_ns(config))
         self.motion = MotionEstimator(config.robot, config.motion, config.scheduler.dt)
         self._lock = threading.Lock()  # the safety gating, shared with enable / e-stop callers
         self._restart = False  # enable / e-stop changed: restart the plan from the measured pose
@@ -114,8 +115,12 @@ class ControlLoop:
         self.scheduler.config = config.scheduler
         with self._lock:
             self.safety.set_config(config.safety)
-        self.watchdog.periods = config.safety.watchdog_periods
+        self.watchdog.timeout_ns = self._watchdog_ns(config)
         self.motion.set_config(config.motion)
+
+    @staticmethod
+    def _watchdog_ns(config: ControllerConfig) -> int:
+        return int(config.safety.watchdog_periods * config.scheduler.dt * 1e9)
 
     def holding_fraction(self) -> float:
         return self.holding_ticks / max(1, self.steps)
@@ -142,8 +147,11 @@ class ControlLoop:
         self._last_now = int(now_ns)
         if restart:
             self._restart_plan(measured)
-        if self.watchdog.check(self.tick_count):
-            out.warnings.append(f"watchdog: no fresh chunk for {self.watchdog.periods} periods; holding position")
+        if self.watchdog.check(now_ns):
+            out.warnings.append(
+                f"watchdog: no fresh chunk for {self.watchdog.timeout_ns / 1e6:.0f} ms "
+                f"({self.config.safety.watchdog_periods} periods); holding position"
+            )
             last = self.safety.last_command
             self.scheduler.reset(hold_action=last if last is not None else measured)
             self.motion.reset()
@@ -215,7 +223,7 @@ class ControlLoop:
             return
         self.chunks_in += 1
         self.got_chunk = True
-        self.watchdog.chunk(self.tick_count)
+        self.watchdog.chunk(now_ns)
 
     def _motion_step(self, out: TickOutput, cmd: np.ndarray) -> None:
         est = self.motion.update(cmd)
