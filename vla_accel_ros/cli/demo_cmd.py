@@ -66,6 +66,11 @@ def _run(args: argparse.Namespace) -> int:
     from vla_accel_ros.bench.replay import ReplayConfig, parse_modes, run_replay
     from vla_accel_ros.bench.report import headline_text, write_report
 
+    from vla_accel_ros.core.errors import ConfigError
+
+    modes = tuple(parse_modes(args.modes))  # before gigabytes of bundles are written
+    if args.steps < 1 or args.loop_seconds < 0:
+        raise ConfigError(f"--steps must be >= 1 and --loop-seconds >= 0, got {args.steps} and {args.loop_seconds}")
     work = args.workdir
     bundles = {fam: ensure_demo_bundle(work, fam, args.size) for fam in ("ar", "flow")}
     bag = ensure_demo_bag(work, args.steps)
@@ -73,8 +78,8 @@ def _run(args: argparse.Namespace) -> int:
     reports = {}
     for family, bundle in bundles.items():
         print(f"\n[demo] replay benchmark: {family} bundle, modes {args.modes}", flush=True)
-        cfg = ReplayConfig(bag=bag, bundle=bundle, modes=tuple(parse_modes(args.modes)))
-        result = run_replay(cfg, progress=sys.stdout.isatty(), command=f"vla-accel demo ({family})")
+        cfg = ReplayConfig(bag=bag, bundle=bundle, modes=modes)
+        result = run_replay(cfg, progress=True, command=f"vla-accel demo ({family})")
         out = work / "reports" / f"replay-{family}-{args.size}"
         write_report(result, out)
         reports[family] = out

@@ -15,6 +15,7 @@ Checks (float32):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -64,8 +65,13 @@ def _normalized(policy, actions: np.ndarray) -> np.ndarray:
     return (actions - stats["mean"]) / np.maximum(stats["std"], 1e-6)
 
 
-def run_parity(policy, tolerance: float = 1e-3, seed: int = 1234) -> ParityReport:
-    """Compare ``policy`` (ArPolicy or FlowPolicy) with its transformers reference."""
+PARITY_STEPS = ("prefix_hidden", "actions", "actions_reuse")
+
+
+def run_parity(policy, tolerance: float = 1e-3, seed: int = 1234, on_step: Callable[[str], None] | None = None) -> ParityReport:
+    """Compare ``policy`` (ArPolicy or FlowPolicy) with its transformers reference;
+    ``on_step(name)`` after each of :data:`PARITY_STEPS` (progress)."""
+    step = on_step or (lambda _name: None)
     spec = policy.spec
     obs = fixed_observation(spec, seed)
     report = ParityReport(tolerance=tolerance)
@@ -74,6 +80,7 @@ def run_parity(policy, tolerance: float = 1e-3, seed: int = 1234) -> ParityRepor
     ref_h = policy.reference_prefix_hidden(obs)
     eng_h = policy.engine_prefix_hidden(obs)
     report.check("prefix_hidden_max_abs", float((ref_h - eng_h).abs().max()))
+    step("prefix_hidden")
 
     noise = None
     if spec.family == "flow":
@@ -88,5 +95,6 @@ def run_parity(policy, tolerance: float = 1e-3, seed: int = 1234) -> ParityRepor
         if spec.family == "ar":
             mismatched = sum(a != b for a, b in zip(got.stats["action_tokens"], ref.stats["action_tokens"]))
             report.check(f"{name}_token_mismatches", float(mismatched), tolerance=0.0)
+        step(name)
     policy.reset()
     return report
