@@ -190,6 +190,10 @@ def test_controller_config_cross_checks():
         ControllerConfig(safety=SafetyConfig(lower=(0.0,) * 3))
     with pytest.raises(ConfigError, match="out of range"):
         ControllerConfig.from_dict({"safety": {"watchdog_periods": 0}})
+    lower, upper = [-1.0] * 14, [1.0] * 14
+    lower[3] = 2.0
+    with pytest.raises(ConfigError, match=r"safety.lower\[3\]=2.0 exceeds safety.upper\[3\]=1.0 \(left_forearm_roll\)"):
+        ControllerConfig(safety=SafetyConfig(lower=tuple(lower), upper=tuple(upper)))
 
 
 def test_loop_stats():

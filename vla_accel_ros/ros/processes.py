@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,7 +57,8 @@ class ProcessGraph:
     """The nodes of one graph, one process each, and a monitor node in this process."""
 
     graph: Graph
-    workdir: Path
+    workdir: Path  # parameter overrides and summaries
+    own_workdir: bool = False  # removed by stop()
     processes: dict[str, NodeProcess] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     started: float = 0.0
@@ -160,6 +162,8 @@ class ProcessGraph:
             if self._thread is not None:
                 self._thread.join(timeout=5.0)
             self._monitor.destroy_node()
+        if self.own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
         return out
 
 
@@ -168,7 +172,7 @@ def start(graph: Graph, *, domain_id: int | None = None, log: Callable[[str], No
     env_domain = os.environ.get("ROS_DOMAIN_ID")
     if domain_id is not None:
         os.environ["ROS_DOMAIN_ID"] = str(domain_id)  # the children inherit it
-    running = ProcessGraph(graph=graph, workdir=Path(workdir or tempfile.mkdtemp(prefix="vla_bringup_")))
+    running = ProcessGraph(graph=graph, workdir=Path(workdir or tempfile.mkdtemp(prefix="vla_bringup_")), own_workdir=workdir is None)
     try:
         running._start_monitor(domain_id if domain_id is not None else _int(env_domain))  # noqa: SLF001
         for spec in graph.nodes:

@@ -236,7 +236,7 @@ class SafetyConfig(Config):
         "(LeRobot's max_relative_target; rad or normalized gripper units)", range=(1e-6, 1e6),
     )  # fmt: skip
     watchdog_periods: int = param(
-        50, doc="hold position when no fresh chunk came for this many control periods of time (periods / "
+        50, doc="hold position after this many control periods of time without a fresh chunk (periods / "
         "control_rate_hz seconds, measured on the clock, not counted in ticks)", range=(1, 1_000_000),
     )  # fmt: skip
     start_enabled: bool = param(False, doc="command output enabled at start-up (else call ~/enable)")

@@ -233,8 +233,9 @@ class ControlLoop:
             out.motion = est
 
     def _maybe_request(self, out: TickOutput, now_ns: int, obs_stamp_ns: int) -> None:
-        if obs_stamp_ns <= self._last_requested:
-            return  # nothing new to infer from (also: the policy has not announced anything yet)
+        if obs_stamp_ns < 0 or obs_stamp_ns == self._last_requested:
+            return  # nothing announced yet, or asked for already (a newer stamp, or any other, is new:
+            # a stamp a little ahead of the clock must not hold back the ones after it)
         why = self._ahead(obs_stamp_ns, now_ns)
         if why:  # asking for it would make every later (present) observation look old
             if obs_stamp_ns != self._refused_stamp:
