@@ -49,15 +49,10 @@ def ros_domain(monkeypatch):
 @pytest.fixture
 def ros_context(ros_domain):
     """An rclpy context of its own (its own DDS participant) on the test's domain."""
-    import rclpy
-    from rclpy.context import Context
+    import helpers  # test/helpers.py
 
-    ctx = Context()
-    rclpy.init(context=ctx, domain_id=ros_domain)
-    try:
+    with helpers.context_on(ros_domain) as ctx:
         yield ctx
-    finally:
-        rclpy.try_shutdown(context=ctx)
 
 
 @pytest.fixture(scope="session")

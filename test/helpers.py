@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import random
 import time
 
 
@@ -23,3 +26,36 @@ def record_sim_bag(out, episodes: int, steps: int):
             "--cameras", "top", "--height", "240", "--width", "320", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     return out
+
+
+@contextlib.contextmanager
+def context_on(domain: int):
+    """An rclpy context of its own (its own DDS participant) on ``domain``, shut down after."""
+    import rclpy
+    from rclpy.context import Context
+
+    ctx = Context()
+    rclpy.init(context=ctx, domain_id=domain)
+    try:
+        yield ctx
+    finally:
+        rclpy.try_shutdown(context=ctx)
+
+
+@contextlib.contextmanager
+def module_ros_context():
+    """:func:`context_on` a random ROS domain kept on this machine, for module-scoped graphs
+    (the function-scoped ``ros_context`` fixture cannot serve them); the environment is restored
+    after."""
+    domain = random.SystemRandom().randint(1, 100)
+    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE")}
+    os.environ.update(ROS_DOMAIN_ID=str(domain), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
+    try:
+        with context_on(domain) as ctx:
+            yield ctx
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from vla_accel_ros.core.prefix import FullRecompute, PrefixPlan
 from vla_accel_ros.models.factory import load_policy, model_from_bundle
 
 PACKAGE = Path(__import__("vla_accel_ros").__file__).parent
+VLA_ACCEL = str(Path(sys.executable).with_name("vla-accel"))
 
 
 def _edit_config(src: Path, dst: Path, **changes) -> Path:
@@ -62,6 +65,56 @@ def test_bad_config_fields_are_named(tiny_bundles, tmp_path, changes, field):
     bad = _edit_config(tiny_bundles["ar"], tmp_path / "bad", **changes)
     with pytest.raises(BundleError, match=field.replace(".", "\\.")):
         read_spec(bad)
+
+
+def _edit_module(src: Path, dst: Path, module: str, **changes) -> Path:
+    cfg = json.loads((src / CONFIG_FILE).read_text())
+    return _edit_config(src, dst, **{module: {**cfg[module], **changes}})
+
+
+@pytest.mark.parametrize(
+    "module, changes, words",
+    [
+        ("lm", {"num_hidden_layers": 10**9}, "lm.num_hidden_layers=1000000000 is out of range [1, 256]"),
+        ("vision", {"hidden_size": 10**7}, "vision.hidden_size=10000000 is out of range"),
+        ("expert", {"intermediate_size": "big"}, "expert.intermediate_size='big' must be an integer"),
+        ("lm", {"num_attention_heads": 3}, "lm.num_attention_heads=3 must be a multiple of lm.num_key_value_heads=2"),
+        ("vision", {"num_attention_heads": 3}, "vision.hidden_size=32 must be a multiple of vision.num_attention_heads=3"),
+        ("lm", {"num_hidden_layers": 256, "hidden_size": 32768, "intermediate_size": 131072}, "add up to about"),
+        ("lm", {"vocab_size": None}, "lm.vocab_size is required"),
+    ],
+)
+def test_absurd_module_sizes_are_refused_before_anything_is_built(tiny_bundles, tmp_path, module, changes, words):
+    src = tiny_bundles["flow"]
+    if module == "lm" and "num_hidden_layers" in changes:  # the expert must match the lm's depth
+        src = _edit_module(src, tmp_path / "deep", "expert", num_hidden_layers=changes["num_hidden_layers"])
+    cfg = json.loads((src / CONFIG_FILE).read_text())
+    edited = {k: v for k, v in {**cfg[module], **changes}.items() if v is not None}
+    bad = _edit_config(src, tmp_path / "bad", **{module: edited})
+    with pytest.raises(BundleError) as e:
+        load_policy(bad)  # the loader refuses (no allocator traceback) ...
+    assert words in str(e.value)
+    out = subprocess.run([VLA_ACCEL, "bundle", "inspect", str(bad)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr  # ... and so does inspect
+
+
+def test_inspect_checks_the_weights_against_the_config_like_the_loader(tiny_bundles, tmp_path):
+    bad = _edit_module(tiny_bundles["flow"], tmp_path / "bad", "lm", intermediate_size=96)  # valid, but not these weights
+    with pytest.raises(BundleError, match="config implies") as loader:
+        load_policy(bad)
+    out = subprocess.run([VLA_ACCEL, "bundle", "inspect", str(bad)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "config implies" in out.stderr and out.stdout == ""
+    assert str(loader.value).split(": ", 1)[1] in out.stderr  # the same reason
+
+
+def test_create_demo_never_overwrites_a_bundle(tiny_bundles, tmp_path):
+    out = tmp_path / "b"
+    shutil.copytree(tiny_bundles["ar"], out)
+    before = (out / WEIGHTS_FILE).read_bytes()
+    run = subprocess.run([VLA_ACCEL, "bundle", "create-demo", "--family", "flow", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 2 and "exists already" in run.stderr and "never overwritten" in run.stderr
+    assert (out / WEIGHTS_FILE).read_bytes() == before and read_spec(out).family == "ar"
 
 
 def test_weights_that_do_not_match_the_config_are_rejected(tiny_bundles, tmp_path):

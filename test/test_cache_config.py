@@ -39,7 +39,7 @@ def test_layer_checks_need_the_model_depth():
     from vla_accel_ros.core.cache import TokenCachePlanner
 
     CacheConfig(relevance_layer=3).check_layers(4)
-    with pytest.raises(ConfigError, match="relevance_layer=4 but the model has 4 layers"):
+    with pytest.raises(ConfigError, match=r"relevance_layer=4 is out of range \[-1, 3\]"):
         CacheConfig(relevance_layer=4).check_layers(4)
     with pytest.raises(ConfigError, match="reuse_layers"):
         CacheConfig(reuse_layers=(2, 9)).check_layers(4)

@@ -73,8 +73,8 @@ def test_no_command_without_a_clamp_reference():
 
 def test_a_clock_that_jumps_back_restarts_the_plan_and_may_ask_again():
     loop = _loop()
-    assert loop.tick(T0, measured=POSE, obs_stamp_ns=T0).request is not None
-    out = loop.tick(DT, measured=POSE, obs_stamp_ns=T0)  # sim time restarted
+    assert loop.tick(T0 + 50 * DT, measured=POSE, obs_stamp_ns=T0).request is not None
+    out = loop.tick(T0 + DT, measured=POSE, obs_stamp_ns=T0)  # sim time restarted
     assert any("jumped back" in w for w in out.warnings)
     assert out.request is not None and out.request_id == 2  # the plan (and what was asked) is forgotten
 
@@ -96,3 +96,45 @@ def test_chunks_for_another_robot_are_dropped():
     loop = _loop()
     out = loop.tick(T0, measured=POSE, chunks=[_chunk(T0, names=[f"j{i}" for i in range(14)])])
     assert out.drops[0][0] == "bad_chunk" and loop.chunks_in == 0
+
+
+def test_a_chunk_or_observation_stamped_in_the_future_is_dropped_and_later_ones_still_work():
+    loop = _loop()
+    far = T0 + 1000 * 10**9  # a wrong clock: +1000 s
+    out = loop.tick(T0, measured=POSE, chunks=[_chunk(far)], obs_stamp_ns=far)
+    assert [d[0] for d in out.drops] == ["future_chunk", "future_observation"] and out.request is None
+    assert loop.chunks_in == 0 and loop.scheduler.pending == 0  # nothing planned 1000 s ahead
+    assert not loop.tick(T0 + DT, measured=POSE, obs_stamp_ns=far).drops  # counted once, not every tick
+    # Present-day inputs afterwards: requested and executed as usual.
+    out = loop.tick(T0 + 2 * DT, measured=POSE, obs_stamp_ns=T0 + 2 * DT)
+    assert out.request is not None and out.request.stamp_ns == T0 + 2 * DT
+    loop.tick(T0 + 3 * DT, measured=POSE, chunks=[_chunk(T0 + 2 * DT, 0.01)])
+    assert loop.tick(T0 + 4 * DT, measured=POSE).command is not None and loop.chunks_in == 1
+
+
+def test_the_watchdog_counts_time_not_ticks():
+    """50 periods at 50 Hz = 1 s: a loop that ticks at 25 Hz still holds after 1 s, not 2 s."""
+    loop = _loop(watchdog_periods=50)
+    loop.tick(T0, measured=POSE, chunks=[_chunk(T0, rows=3)])
+    tripped_at = None
+    for k in range(1, 60):
+        now = T0 + k * 2 * DT  # every second tick is missed
+        if any("watchdog" in w for w in loop.tick(now, measured=POSE).warnings):
+            tripped_at = now
+            break
+    assert tripped_at is not None and 1.0 < (tripped_at - T0) / 1e9 <= 1.0 + 2 * DT / 1e9
+
+
+def test_an_estop_after_the_tick_computed_its_command_withholds_it():
+    loop = _loop()
+    loop.tick(T0, measured=POSE, chunks=[_chunk(T0)])
+    out = loop.tick(T0 + DT, measured=POSE)
+    sent = []
+    assert out.command is not None
+    loop.set_estop(True)  # arrives between the tick and the publish
+    assert not loop.send(out, sent.append) and not sent and loop.withheld == 1 and loop.commands == 0
+    loop.set_estop(False)
+    loop.set_enabled(True)
+    loop.tick(T0 + 2 * DT, measured=POSE, chunks=[_chunk(T0 + 2 * DT)])
+    out = loop.tick(T0 + 3 * DT, measured=POSE)
+    assert loop.send(out, sent.append) and len(sent) == 1

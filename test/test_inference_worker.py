@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import numpy as np
 
-from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.errors import ConfigError, ObservationError
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig, RobotConfig
 from vla_accel_ros.core.robot.inference import InferenceWorker, Request
@@ -48,6 +49,12 @@ class FakePolicy:
 
     def set_motion_mode(self, mode: str) -> None:
         self.modes.append(mode)
+
+    def text_ids(self, instruction: str) -> list[int]:
+        ids = instruction.split()
+        if len(ids) > 8:
+            raise ObservationError(f"instruction is {len(ids)} tokens long with its template; the bundle accepts max_text_tokens=8")
+        return ids
 
 
 def _worker(**cfg) -> tuple[InferenceWorker, FakePolicy, list, list]:
@@ -129,13 +136,65 @@ def test_continuous_trigger_takes_each_observation_once():
     assert w.next_job(0.0) is None
 
 
-def test_new_policy_options_go_through_configure_or_are_logged_as_refused():
+def test_new_policy_options_go_through_configure_or_are_refused_and_the_running_ones_stay():
     w, policy, _, logs = _worker()
+    restored = []
+    w._restore = restored.append  # noqa: SLF001 - the node's callback
     new = PolicyNodeConfig(robot=ROBOT, request_wait_ms=0.0, policy=PolicyConfig(accel="cache"))
     w.apply(new)
-    assert policy.configs == [new.policy] and logs[-1] == ("info", "applied policy.accel")
+    assert policy.configs == [new.policy] and logs[-1] == ("info", "applied policy.accel='cache'")
     w.channel.put(1000 * MS, _obs(1000 * MS))
     assert w.infer(_job(w, 1000), lambda: 1000 * MS).reset_reason == "config"
     policy.refuse = True
-    w.apply(PolicyNodeConfig(robot=ROBOT, request_wait_ms=0.0, policy=PolicyConfig(accel="none")))
-    assert logs[-1][0] == "error" and "relevance_layer" in logs[-1][1]
+    w.apply(PolicyNodeConfig(robot=ROBOT, request_wait_ms=0.0, max_state_age_ms=300.0, policy=PolicyConfig(accel="none")))
+    assert logs[-1][0] == "error" and "policy.accel='none' not applied" in logs[-1][1] and "relevance_layer" in logs[-1][1]
+    # The running configuration is untouched where the policy refused; the rest applies.
+    assert w.cfg.policy == new.policy and w.cfg.max_state_age_ms == 300.0 and restored == [new.policy]
+
+
+def test_a_planner_that_fails_to_build_or_a_failing_step_never_stops_the_loop():
+    """run() survives what raises inside it: configure (a planner that cannot be built),
+    next_job, infer; each is counted and logged, and the next step still serves."""
+    w, policy, drops, logs = _worker(trigger="continuous")
+
+    def broken_configure(config):
+        raise RuntimeError("the planner could not be built")
+
+    policy.configure = broken_configure
+    pending = [PolicyNodeConfig(robot=ROBOT, request_wait_ms=0.0, trigger="continuous", policy=PolicyConfig(accel="cache"))]
+    real_next_job, failures = w.next_job, []
+
+    def next_job_failing_once(timeout_s=0.1):
+        if not failures:
+            failures.append(1)
+            raise KeyError("a bug in next_job")
+        return real_next_job(0.01)
+
+    w.next_job = next_job_failing_once
+    published = []
+
+    def publish(served):
+        published.append(served)
+        w.stop()
+
+    w.channel.put(1000 * MS, _obs(1000 * MS))
+    thread = threading.Thread(target=w.run, args=(lambda: pending.pop() if pending else None, publish, lambda: 1000 * MS))
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and len(published) == 1  # it went on and served after both failures
+    assert w.errors == 1 and drops.count("inference_error") == 1 and any("KeyError" in t for _, t in logs)
+    assert any("not applied" in t and "RuntimeError" in t for _, t in logs) and w.cfg.policy == PolicyConfig()
+    assert w.last_chunk_at is not None and w.since_last_chunk_s() >= 0.0 and w.running_s() == 0.0
+
+
+def test_an_instruction_too_long_for_the_model_is_refused_and_the_previous_one_stays():
+    w, policy, _, _ = _worker(max_instruction_chars=100)
+    assert w.set_instruction("stack the cups") == "" and w.instruction_text() == "stack the cups"
+    assert "max_instruction_chars 100" in w.set_instruction("x" * 101)  # refused before tokenizing
+    assert "max_text_tokens=8" in w.set_instruction("put " * 20)  # the model's own limit
+    assert w.instruction_text() == "stack the cups"
+    # Taken while no model was loaded (only its length checked), then refused by the model.
+    w.policy = None
+    assert w.set_instruction("put " * 20) == ""
+    w.policy = policy
+    assert "max_text_tokens" in w.recheck_instruction() and w.instruction_text() == ""

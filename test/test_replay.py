@@ -208,7 +208,9 @@ def test_errors(sim_bag, tiny_bundles, tmp_path, capsys) -> None:
     err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", ar, "--modes", "baseline,warp", "--report", rep])
     assert "warp" in err and "cache" in err
     err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", ar, "--warmup", "100", "--no-parity", "--report", rep])
-    assert "warm-up" in err
+    assert "--warmup 100 leaves no frame to time" in err  # from the bag's metadata, before any weights load
+    err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", ar, "--modes", ",", "--report", rep])
+    assert "names no mode" in err
     assert not (tmp_path / "r").exists()  # nothing written on failure
     # The same typed errors from the Python API.
     cfg = rp.ReplayConfig(bag=no_state, bundle=Path(flow))

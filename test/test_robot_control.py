@@ -173,8 +173,8 @@ def test_estop_and_enable_gate_output():
     assert ok and f.output_allowed
 
 
-def test_watchdog_trips_after_n_periods_without_a_chunk():
-    w = Watchdog(5)
+def test_watchdog_trips_after_its_time_without_a_chunk():
+    w = Watchdog(5)  # ns
     assert not any(w.check(t) for t in range(100))  # not armed before the first chunk
     w.chunk(100)
     assert not any(w.check(t) for t in range(100, 106))
@@ -190,6 +190,10 @@ def test_controller_config_cross_checks():
         ControllerConfig(safety=SafetyConfig(lower=(0.0,) * 3))
     with pytest.raises(ConfigError, match="out of range"):
         ControllerConfig.from_dict({"safety": {"watchdog_periods": 0}})
+    lower, upper = [-1.0] * 14, [1.0] * 14
+    lower[3] = 2.0
+    with pytest.raises(ConfigError, match=r"safety.lower\[3\]=2.0 exceeds safety.upper\[3\]=1.0 \(left_forearm_roll\)"):
+        ControllerConfig(safety=SafetyConfig(lower=tuple(lower), upper=tuple(upper)))
 
 
 def test_loop_stats():
@@ -198,3 +202,4 @@ def test_loop_stats():
         s.tick(k * 20_000_000 + (1_000_000 if k == 25 else 0))
     m = s.summary()
     assert m.rate_hz == pytest.approx(50.0, rel=1e-3) and m.jitter_max_ms == pytest.approx(1.0)
+    assert m.jitter_p50_ms == pytest.approx(0.0) and 0.0 < m.jitter_p99_ms <= 1.0  # two periods of 50 are off by 1 ms

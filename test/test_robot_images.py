@@ -87,3 +87,57 @@ def test_compressed_png_decodes_and_garbage_is_rejected(rgb):
     assert e.value.reason == "decode_failed"
     with pytest.raises(ImageError):
         decode_compressed("jpeg", b"")
+
+
+def _bilevel_png(width: int, height: int) -> bytes:
+    """A valid black PNG of ``width`` x ``height`` at 1 bit per pixel: a few kB of file for
+    any size (what an attacker sends), written row by row without the pixels in memory."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    z = zlib.compressobj(9)
+    row = b"\0" * (1 + (width + 7) // 8)  # filter byte + packed bits
+    idat = b"".join(z.compress(row) for _ in range(height)) + z.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # 1-bit greyscale
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def test_a_small_png_claiming_a_huge_size_is_refused_by_its_header_without_decoding(tmp_path):
+    """9000 x 9000 would be 243 MB as RGB: refused from the header, in a process whose peak
+    memory stays far below that (the decoder never ran)."""
+    import subprocess
+    import sys
+
+    png = tmp_path / "huge.png"
+    png.write_bytes(_bilevel_png(9000, 9000))
+    assert png.stat().st_size < 50_000
+    code = (
+        "import resource, sys\n"
+        "from vla_accel_ros.core.robot.images import ImageError, decode_compressed\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "try:\n"
+        "    decode_compressed('png', open(sys.argv[1], 'rb').read())\n"
+        "    print('decoded')\n"
+        "except ImageError as e:\n"
+        "    print(e.reason)\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(png)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    reason, grown_mb = out.stdout.split()
+    assert reason == "too_large", out.stdout + out.stderr
+    assert int(grown_mb) < 100  # MB: the pixels were never allocated
+    with pytest.raises(ImageError) as e:  # past Pillow's own bound too: the same reason
+        decode_compressed("png", _bilevel_png(20000, 20000))
+    assert e.value.reason == "too_large"
+    # A frame within the bound still decodes; the bound is a parameter.
+    small = _bilevel_png(64, 32)
+    assert decode_compressed("png", small).shape == (32, 64, 3)
+    with pytest.raises(ImageError) as e:
+        decode_compressed("png", small, max_pixels=64 * 31)
+    assert e.value.reason == "too_large" and "max_pixels" in str(e.value)
+    with pytest.raises(ImageError) as e:
+        decode_raw("rgb8", 32, 64, 192, False, b"\0" * 192 * 32, max_pixels=100)
+    assert e.value.reason == "too_large"

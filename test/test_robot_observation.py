@@ -14,7 +14,7 @@ IMG = np.zeros((4, 4, 3), np.uint8)
 
 
 def make(max_age_ms=100, max_skew_ms=40):
-    return ObservationAssembler(("a", "b"), max_age_ns=max_age_ms * MS, max_skew_ns=max_skew_ms * MS)
+    return ObservationAssembler(("a", "b"), max_age_ns=max_age_ms * MS, max_skew_ns=max_skew_ms * MS, max_future_ns=50 * MS)
 
 
 def test_assembles_only_when_every_camera_has_a_new_frame():
@@ -46,10 +46,26 @@ def test_stale_and_skewed_sets_are_rejected_with_a_reason():
     assert "span" in asm.last_reject and asm.rejects["skew"] == 1
     asm.put("b", IMG, 1180 * MS)  # the lagging camera catches up
     assert asm.assemble(1195 * MS) is not None and asm.last_reject == ""
-    asm.set_limits(max_age_ns=1 * MS, max_skew_ns=40 * MS)
+    asm.set_limits(max_age_ns=1 * MS, max_skew_ns=40 * MS, max_future_ns=50 * MS)
     asm.put("a", IMG, 1300 * MS)
     asm.put("b", IMG, 1300 * MS)
     assert asm.assemble(1302 * MS) is None
+
+
+def test_a_frame_stamped_in_the_future_is_never_kept_and_later_frames_still_assemble():
+    asm = make()
+    # A wrong clock: one set stamped +1000 s. Refused (counted), not stored.
+    assert asm.too_new(2000 * 1000 * MS, 1000 * MS) and not asm.too_new(1040 * MS, 1000 * MS)
+    assert asm.add("a", IMG, 2000 * 1000 * MS, 1000 * MS) is None
+    assert asm.add("b", IMG, 2000 * 1000 * MS, 1000 * MS) is None
+    assert asm.rejects["future"] == 2 and "ahead of the clock" in asm.last_reject
+    assert asm.missing() == ["a", "b"]
+    # Valid frames afterwards make observations stamped with their own (present) time.
+    asm.add("a", IMG, 1010 * MS, 1011 * MS)
+    obs = asm.add("b", IMG, 1012 * MS, 1013 * MS)
+    assert obs is not None and obs.stamp_ns == 1010 * MS
+    asm.add("a", IMG, 1030 * MS, 1031 * MS)
+    assert asm.add("b", IMG, 1030 * MS, 1031 * MS).stamp_ns == 1030 * MS
 
 
 def test_unknown_camera_is_an_error():
@@ -102,6 +118,15 @@ def _gate(max_state_age_ms=100):
     return robot, StateGate(robot, max_state_age_ns=max_state_age_ms * MS)
 
 
+def test_nonfinite_joint_states_are_named_as_such_not_as_missing():
+    _, gate = _gate()
+    gate.update(0, ["x"], [1.0], 1000 * MS)
+    gate.update(1, ["x"], [float("nan")], 1000 * MS)
+    assert gate.state_for(1000 * MS) is None and gate.last_reject == "joint states for b_x are not finite (NaN / inf)"
+    gate.update(1, ["x"], [2.0], 1001 * MS)
+    assert gate.state_for(1001 * MS) is not None
+
+
 def test_state_gate_attaches_the_state_or_says_why_not():
     _, gate = _gate(max_state_age_ms=100)
     gate.update(0, ["x"], [1.0], 1000 * MS)
@@ -133,7 +158,7 @@ def test_builder_runs_both_halves_and_episodes_reset_it():
     b.begin_episode(4)  # nothing from episode 3 is used in episode 4
     assert b.instruction == "" and b.frame("a", IMG, 1020 * MS, 1020 * MS) is None
     assert b.frame("b", IMG, 1020 * MS, 1020 * MS) is None and b.rejects["no_state"] == 1
-    assert b.rejects == {"stale": 0, "skew": 0, "no_state": 1, "stale_state": 0}
+    assert b.rejects == {"stale": 0, "skew": 0, "future": 0, "no_state": 1, "stale_state": 0}
 
 
 def test_a_clock_that_jumps_back_starts_over():
@@ -149,7 +174,7 @@ def test_one_resize_for_every_path():
     from vla_accel_ros.models.common import resize_uint8
 
     frame = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
-    asm = ObservationAssembler(("a",), max_age_ns=MS, max_skew_ns=MS, image_size=16)
+    asm = ObservationAssembler(("a",), max_age_ns=MS, max_skew_ns=MS, max_future_ns=MS, image_size=16)
     live = asm.prepare(frame)
     assert live.shape == (16, 16, 3) and live.dtype == np.uint8
     np.testing.assert_array_equal(live, resize_rgb(frame, 16))

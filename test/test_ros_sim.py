@@ -111,6 +111,10 @@ def test_pacing_rendering_latency_and_recording_order():
     assert buf.push(20, "frame") == []
     assert buf.push(20, "marker", rank=-2) == [] and buf.push(31, "late") == [(20, "marker"), (20, "frame")]
     assert buf.flush() == [(31, "late")]
+    # Stamps that stop advancing (a paused sim clock) cannot make it grow without bound.
+    buf = ReorderBuffer(window_ns=10, max_items=100)
+    out = [item for k in range(1000) for _, item in buf.push(40, k)]
+    assert len(buf) == 100 and buf.overflowed == 900 and out == list(range(900))  # the oldest leave first
     assert header_stamp_ns(b"\x00\x01\x00\x00" + (3).to_bytes(4, "little") + (5).to_bytes(4, "little")) == 3_000_000_005
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -73,7 +73,9 @@ def run_cache_bench(
     speed: float = 1.0,
     noise: float = 1.0,
     parity_check: bool = True,
+    on_frame: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
+    """Every preset and the full recompute on the same frames; ``on_frame(i)`` after frame i (progress)."""
     from vla_accel_ros.sim.synthetic import synthetic_observations
     from vla_accel_ros.core.bundle import Bundle, load_bundle
     from vla_accel_ros.models.factory import load_policy, sibling_policy
@@ -107,6 +109,8 @@ def run_cache_bench(
         if i >= warmup:
             for c in contenders[1:]:
                 c.kv_err.append(_kv_error(c.policy, full, obs))
+        if on_frame is not None:
+            on_frame(i)
     return summarize(contenders, spec, dict(frames=frames, warmup=warmup, seed=seed, speed=speed, noise=noise))
 
 

@@ -74,7 +74,15 @@ def reuse_plan(layout, fraction: float, seed: int = 0) -> PrefixPlan:
     return PrefixPlan(layer_slots=[rows] * layout.num_layers, full=False)
 
 
-def run_engine_bench(policy, repeats: int = 5, fractions=(0.4, 0.6, 0.8)) -> list[Pair]:
+def run_engine_bench(policy, repeats: int = 5, fractions=(0.4, 0.6, 0.8), on_pair: Callable[[Pair], None] | None = None) -> list[Pair]:
+    """Every comparison, interleaved; ``on_pair`` is called as each one completes (progress)."""
+    pairs: list[Pair] = []
+
+    def add(pair: Pair) -> None:
+        pairs.append(pair)
+        if on_pair is not None:
+            on_pair(pair)
+
     spec = policy.spec
     obs = fixed_observation(spec)
     layout, ids = policy.layout_for(obs.instruction)
@@ -82,7 +90,6 @@ def run_engine_bench(policy, repeats: int = 5, fractions=(0.4, 0.6, 0.8)) -> lis
     cams = list(range(len(layout.cameras)))
     full = policy.prefix_embeddings(obs, layout, ids, frames.pixels, cams)
     P = layout.length
-    pairs: list[Pair] = []
     flow = spec.family == "flow"
     decoder = policy.model.vlm if flow else policy.model.lm.model
     engine = policy.vlm_engine if flow else policy.engine
@@ -98,7 +105,7 @@ def run_engine_bench(policy, repeats: int = 5, fractions=(0.4, 0.6, 0.8)) -> lis
     def eng_prefill():
         return engine.forward(full[None], full_step)
 
-    pairs.append(interleave("prefill", ("transformers", hf_prefill), ("engine", eng_prefill), repeats))
+    add(interleave("prefill", ("transformers", hf_prefill), ("engine", eng_prefill), repeats))
 
     if flow:
         x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, spec.chunk_size, spec.action_dim)).astype(np.float32))
@@ -118,8 +125,8 @@ def run_engine_bench(policy, repeats: int = 5, fractions=(0.4, 0.6, 0.8)) -> lis
         def eng_step():
             return policy.velocity(x, 0.5, P)
 
-        pairs.append(interleave("denoise step", ("transformers", hf_step), ("engine", eng_step), repeats))
-        pairs.append(
+        add(interleave("denoise step", ("transformers", hf_step), ("engine", eng_step), repeats))
+        add(
             interleave(
                 "full infer",
                 ("transformers", lambda: policy.reference_infer(obs, noise=x[0].numpy())),
@@ -149,8 +156,8 @@ def run_engine_bench(policy, repeats: int = 5, fractions=(0.4, 0.6, 0.8)) -> lis
                 o = engine.forward(embed(tok), dplan)
                 return int(policy.model.action_logits(o.hidden[0, -1]).argmax())
 
-        pairs.append(interleave("decode step", ("transformers", hf_decode), ("engine", eng_decode), repeats * 4))
-        pairs.append(
+        add(interleave("decode step", ("transformers", hf_decode), ("engine", eng_decode), repeats * 4))
+        add(
             interleave(
                 "full infer",
                 ("transformers", lambda: policy.reference_infer(obs)),
@@ -166,7 +173,7 @@ def run_engine_bench(policy, repeats: int = 5, fractions=(0.4, 0.6, 0.8)) -> lis
         rows = plan.layer_slots[0]
         step = StepPlan(slots=rows, positions=rows, layer_slots=plan.layer_slots, output_slots=all_slots[-1:])
         x_rows = full[rows][None]
-        pairs.append(
+        add(
             interleave(
                 f"prefill, {int(frac * 100)}% image reuse",
                 ("engine full", eng_prefill),

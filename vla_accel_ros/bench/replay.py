@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +87,8 @@ def parse_modes(text: str | list[str] | tuple[str, ...]) -> list[str]:
     deviation are measured against it)."""
     names = [m.strip() for m in text.split(",")] if isinstance(text, str) else [m.strip() for m in text]
     names = [m for m in names if m]
+    if not names:
+        raise ConfigError(f"--modes names no mode ({text!r}); choose from {', '.join(MODES)}")
     unknown = [m for m in names if m not in MODES]
     if unknown:
         raise ConfigError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
@@ -261,8 +262,7 @@ def frame_noise(seed: int, index: int, spec) -> np.ndarray:
 def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") -> dict[str, Any]:
     """Replay ``cfg.bag`` through ``cfg.bundle`` in every mode; returns the report (see
     :mod:`vla_accel_ros.bench.report`)."""
-    from tqdm import tqdm
-
+    from vla_accel_ros.bench.progress import progress_bar
     from vla_accel_ros.core.bundle import load_bundle, read_spec
     from vla_accel_ros.core.robot.config import SyncConfig
     from vla_accel_ros.io.bag_reader import BagReader
@@ -275,6 +275,11 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
     spec = read_spec(bundle_path)  # BundleError when it is not a bundle; cheap, before the bag
     sync = SyncConfig.from_dict({**cfg.sync_overrides, "cameras": tuple(spec.cameras)})  # ConfigError before weights load
     bag_info = inspect_bag(bag_path, spec)
+    if cfg.warmup >= bag_info["frames"]:
+        raise ConfigError(
+            f"--warmup {cfg.warmup} leaves no frame to time: bag {bag_path} has at most {bag_info['frames']} "
+            f"observations for cameras {', '.join(spec.cameras)} (use --warmup < {bag_info['frames']})"
+        )
     runs = build_runs(load_bundle(bundle_path), names, cfg)
     for r in runs:
         r.reset()  # forget the parity gate's frames
@@ -296,7 +301,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
             if chunk.stamp_ns in timed_frames:
                 r.record(chunk, spec, timed_frames[chunk.stamp_ns])
 
-    bar = tqdm(total=expected, disable=not progress, unit="frame", desc="replay", dynamic_ncols=True, file=sys.stderr)
+    bar = progress_bar(expected, "replay", "frame", enabled=progress)
     with BagReader(bag_path) as bag, bar:
         for sample in bag.samples(sync):
             obs = sample.observation

@@ -26,16 +26,51 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=_engine)
 
 
+def parse_fractions(text: str, flag: str = "--reuse") -> tuple[float, ...]:
+    """``0.4,0.6`` -> (0.4, 0.6), each in (0, 1), or a ConfigError naming the value."""
+    from vla_accel_ros.core.errors import ConfigError
+
+    out = []
+    for item in (f.strip() for f in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise ConfigError(f"{flag} {text!r}: {item!r} is not a number; give fractions in (0, 1), e.g. 0.4,0.6,0.8") from None
+        if not 0.0 < value < 1.0:
+            raise ConfigError(f"{flag} {text!r}: {value:g} is not a fraction in (0, 1)")
+        out.append(value)
+    if not out:
+        raise ConfigError(f"{flag} {text!r} names no fraction; e.g. 0.4,0.6,0.8")
+    return tuple(out)
+
+
+def check_output(path: Path | None, flag: str = "--json") -> None:
+    """Fail before a long run whose result could not be written."""
+    from vla_accel_ros.core.errors import ConfigError
+
+    if path is not None and not path.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: directory {path.parent} does not exist")
+
+
 def _engine(args: argparse.Namespace) -> int:
+    from vla_accel_ros.core.errors import ConfigError
+
+    fractions = parse_fractions(args.reuse)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    check_output(args.json)
     import torch
 
     from vla_accel_ros.bench.engine_bench import format_table, run_engine_bench
+    from vla_accel_ros.bench.progress import progress_bar
     from vla_accel_ros.core.policy_config import PolicyConfig
     from vla_accel_ros.models.factory import load_policy
 
     policy = load_policy(args.bundle, PolicyConfig(accel="none"))
-    fractions = tuple(float(f) for f in args.reuse.split(",") if f)
-    pairs = run_engine_bench(policy, repeats=args.repeats, fractions=fractions)
+    with progress_bar(None, "bench engine", "comparison") as bar:
+        pairs = run_engine_bench(policy, repeats=args.repeats, fractions=fractions, on_pair=lambda _p: bar.update(1))
     print(f"bundle {args.bundle} ({policy.spec.family}), torch threads {torch.get_num_threads()}, "
           f"{args.repeats} interleaved repeats after warm-up")
     print(format_table(pairs))

@@ -1,9 +1,12 @@
 """``vla-accel bringup``: start the ROS graph from the parameter file without launch_ros.
 
 The same description (``vla_accel_ros.ros.graph.describe``) and the same YAML as
-``ros2 launch vla_accel_ros aloha.launch.py``, in one process: camera, policy and action
-controller nodes on one MultiThreadedExecutor, observations handed from camera to policy
-through a shared latest-only buffer. ``--duration S`` runs S seconds and prints what flowed.
+``ros2 launch vla_accel_ros aloha.launch.py``, and by default the same process layout: each
+node in its own process (``vla_accel_ros.ros.processes``), observations camera -> policy on the
+topic, so inference never holds the control loop's interpreter. ``--one-process`` runs every
+node on one MultiThreadedExecutor in this process instead (observations through a shared
+latest-only buffer). ``--duration S`` runs S seconds and prints what flowed, with the control
+loop's rate and jitter percentiles.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bringup",
         help="start the camera, policy and controller nodes (no launch_ros needed)",
-        description="Starts the graph of launch/aloha.launch.py in one process from the same parameter "
-        "file. Needs rclpy (the ROS 2 wheels `make setup` installs, or a sourced ROS install).",
+        description="Starts the graph of launch/aloha.launch.py from the same parameter file, each node in its "
+        "own process as ros2 launch does. Needs rclpy (the ROS 2 wheels `make setup` installs, or a sourced ROS install).",
     )
     p.add_argument("--params", type=Path, metavar="F", help="ROS 2 parameter file (default: config/aloha.yaml)")
     p.add_argument("--bundle", type=Path, metavar="B", help="model bundle for the policy node")
@@ -41,8 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="give up when the policy is not ready after S seconds (loading + parity gate)")
     p.add_argument("--namespace", default="", help="namespace of the graph's nodes and topics")
     p.add_argument("--use-sim-time", action="store_true", help="nodes follow /clock")
+    p.add_argument("--one-process", action="store_true",
+                   help="every node in this process on one executor (inference then competes with the control "
+                   "loop for the interpreter: lower loop rate, more jitter)")
     p.add_argument("--topic-observations", action="store_true",
-                   help="send observations camera -> policy over the Observation topic instead of in memory")
+                   help="with --one-process: observations camera -> policy over the Observation topic instead of in memory")
     p.add_argument("--domain-id", type=int, help="ROS_DOMAIN_ID for this graph (default: the environment's)")
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the summary as JSON")
     p.set_defaults(func=run)
@@ -58,21 +64,25 @@ def run(args: argparse.Namespace) -> int:
         synthetic_camera=args.synthetic_camera,
         namespace=args.namespace,
         use_sim_time=args.use_sim_time,
-        shared_observations=not args.topic_observations,
+        shared_observations=args.one_process and not args.topic_observations,
     )
+    if args.record is not None and args.record.exists():
+        print(f"vla-accel bringup: {args.record} exists already; rosbag2 bags are never overwritten")
+        return 2
+    if args.json is not None and not args.json.parent.is_dir():
+        print(f"vla-accel bringup: --json {args.json}: directory {args.json.parent} does not exist")
+        return 2
     try:
-        from vla_accel_ros.ros import bringup  # noqa: PLC0415 - imports rclpy
+        from vla_accel_ros.ros import bringup, processes  # noqa: PLC0415 - imports rclpy
     except ImportError as e:
         print(f"vla-accel bringup needs rclpy ({e}); run `make setup` or source a ROS 2 install")
         return 2
     for note in graph.notes:
         print(f"note: {note}")
-    print(f"parameters {graph.params_file}; nodes: {', '.join(n.name for n in graph.nodes)}")
-    if args.record is not None and args.record.exists():
-        print(f"vla-accel bringup: {args.record} exists already; rosbag2 bags are never overwritten")
-        return 2
-    running = bringup.start(graph, domain_id=args.domain_id)
-    summary = None
+    layout = "one process" if args.one_process else "one process per node"
+    print(f"parameters {graph.params_file}; nodes ({layout}): {', '.join(n.name for n in graph.nodes)}")
+    running = (bringup if args.one_process else processes).start(graph, domain_id=args.domain_id)
+    summary: dict[str, object] = {}
     code = 0
     try:
         if args.record is not None:
@@ -88,15 +98,15 @@ def run(args: argparse.Namespace) -> int:
             deadline = None if args.duration is None else time.monotonic() + args.duration
             while deadline is None or time.monotonic() < deadline:
                 time.sleep(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic())))
-                if running.thread is not None and not running.thread.is_alive():
-                    print("the executor stopped")
+                ended = running.exited()
+                if ended:
+                    print(f"vla-accel bringup: {ended}")
                     code = 1
                     break
     except KeyboardInterrupt:
         pass
     finally:
-        summary = running.summary()
-        running.shutdown()
+        summary = running.stop()  # every node closed first: the recorder has flushed what it counts
     print(bringup.format_summary(summary))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -104,21 +114,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start_recorder(running, out: Path) -> None:
-    """The graph's recording list into ``out``, on the graph's executor and clock."""
-    from rclpy.parameter import Parameter  # noqa: PLC0415
-
-    from vla_accel_ros.ros.recorder import RecorderNode  # noqa: PLC0415
-
+    """The graph's recording list into ``out``, on the graph's clock, as one more node."""
     g = running.graph
-    kwargs = dict(
-        context=running.context,
-        parameter_overrides=[
-            Parameter("out", value=str(out)),
-            Parameter("topics", value=g.resolved_record_topics()),
-            Parameter("clock", value="sim" if g.use_sim_time else "wall"),
-        ],
-    )
-    if g.namespace:
-        kwargs["namespace"] = g.namespace
-    running.add_node("vla_recorder", RecorderNode(**kwargs))
+    parameters = {"out": str(out), "topics": g.resolved_record_topics(), "clock": "sim" if g.use_sim_time else "wall"}
+    running.add_recorder("vla_recorder", "vla_accel_ros.ros.recorder", "RecorderNode", parameters)
     print(f"recording {len(g.resolved_record_topics())} topics to {out}")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
-
-from vla_accel_ros.core.bundle import load_bundle
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,21 +29,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _create(args: argparse.Namespace) -> int:
-    from vla_accel_ros.models.factory import create_demo_bundle, describe
+    out = Path(args.out)
+    if out.exists():  # as for bags: never overwrite
+        print(f"vla-accel bundle create-demo: {out} exists already; bundles are never overwritten (choose another --out)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    from vla_accel_ros.models.factory import create_demo_bundle, inspect_bundle
 
     t = time.perf_counter()
     cameras = tuple(c.strip() for c in args.cameras.split(",") if c.strip())
     path = create_demo_bundle(
-        args.family, args.size, args.out, seed=args.seed, cameras=cameras,
+        args.family, args.size, out, seed=args.seed, cameras=cameras,
         action_dim=args.action_dim, chunk_size=args.chunk_size, lm_type=args.lm_type,
     )  # fmt: skip
-    print(describe(load_bundle(path)))
+    print(inspect_bundle(path))
     print(f"written in {time.perf_counter() - t:.1f} s")
     return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from vla_accel_ros.models.factory import describe
+    """The loader's checks (config fields and sizes, weights against the config), then the description."""
+    from vla_accel_ros.models.factory import inspect_bundle
 
-    print(describe(load_bundle(args.path)))
+    print(inspect_bundle(args.path))
     return 0

@@ -51,14 +51,20 @@ def _cache(args: argparse.Namespace) -> int:
     import torch
 
     from vla_accel_ros.bench.cache_bench import format_report, run_cache_bench
+    from vla_accel_ros.bench.progress import progress_bar
+    from vla_accel_ros.cli.bench_cmd import check_output
 
     if args.frames < 1 or args.warmup < 1:
         raise ConfigError("--frames and --warmup must be at least 1 (the first cached frame is a full recompute)")
     presets = tuple(p.strip() for p in args.presets.split(",") if p.strip())
-    result = run_cache_bench(
-        args.bundle, presets=presets, overrides=parse_overrides(args.cache), frames=args.frames,
-        warmup=args.warmup, seed=args.seed, speed=args.speed, noise=args.noise,
-    )  # fmt: skip
+    if not presets:
+        raise ConfigError(f"--presets {args.presets!r} names no preset")
+    check_output(args.json)
+    with progress_bar(args.warmup + args.frames, "bench cache", "frame") as bar:
+        result = run_cache_bench(
+            args.bundle, presets=presets, overrides=parse_overrides(args.cache), frames=args.frames,
+            warmup=args.warmup, seed=args.seed, speed=args.speed, noise=args.noise, on_frame=lambda _i: bar.update(1),
+        )  # fmt: skip
     m = result["meta"]
     print(
         f"bundle {args.bundle} ({m['family']}), torch threads {torch.get_num_threads()}, {m['frames']} frames after "

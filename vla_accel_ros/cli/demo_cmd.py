@@ -78,6 +78,11 @@ def _run(args: argparse.Namespace) -> int:
     from vla_accel_ros.bench.replay import ReplayConfig, parse_modes, run_replay
     from vla_accel_ros.bench.report import headline_text, write_report
 
+    from vla_accel_ros.core.errors import ConfigError
+
+    modes = tuple(parse_modes(args.modes))  # before gigabytes of bundles are written
+    if args.steps < 1 or args.loop_seconds < 0:
+        raise ConfigError(f"--steps must be >= 1 and --loop-seconds >= 0, got {args.steps} and {args.loop_seconds}")
     work = args.workdir
     parse_modes(args.modes)  # a bad mode fails before anything is written
     parse_modes(args.eval_modes)
@@ -87,8 +92,8 @@ def _run(args: argparse.Namespace) -> int:
     reports = {}
     for family, bundle in bundles.items():
         print(f"\n[demo] replay benchmark: {family} bundle, modes {args.modes}", flush=True)
-        cfg = ReplayConfig(bag=bag, bundle=bundle, modes=tuple(parse_modes(args.modes)))
-        result = run_replay(cfg, progress=sys.stdout.isatty(), command=f"vla-accel demo ({family})")
+        cfg = ReplayConfig(bag=bag, bundle=bundle, modes=modes)
+        result = run_replay(cfg, progress=True, command=f"vla-accel demo ({family})")
         out = work / "reports" / f"replay-{family}-{args.size}"
         write_report(result, out)
         reports[family] = out

@@ -14,13 +14,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from vla_accel_ros.core.parity import run_parity
+    from vla_accel_ros.bench.progress import progress_bar
+    from vla_accel_ros.core.parity import PARITY_STEPS, run_parity
     from vla_accel_ros.core.policy_config import PolicyConfig
     from vla_accel_ros.models.factory import load_policy
 
-    config = PolicyConfig(accel=args.accel, parity_check=False, parity_tolerance=args.tolerance)
-    policy = load_policy(args.bundle, config)
-    report = run_parity(policy, tolerance=args.tolerance)
+    config = PolicyConfig(accel=args.accel, parity_check=False, parity_tolerance=args.tolerance)  # ConfigError first
+    with progress_bar(1 + len(PARITY_STEPS), "parity", "step") as bar:
+        bar.set_postfix_str("loading")
+        policy = load_policy(args.bundle, config)
+        bar.update(1)
+        report = run_parity(policy, tolerance=args.tolerance, on_step=lambda name: (bar.set_postfix_str(name), bar.update(1)))
     print(f"parity of {args.bundle} (accel={args.accel})")
     print(report.table())
     return 0 if report.passed else 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 from pathlib import Path
 
 
@@ -42,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipeline-steps", type=int, default=0, help="pipelined modes: decode steps per frame (0: derived)")
     p.add_argument("--no-parity", action="store_true", help="skip the parity gate of the engine modes")
     p.add_argument("--no-plots", action="store_true", help="write report.json and report.md only")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stdout is not a terminal)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (on stderr)")
     p.set_defaults(func=_replay)
 
 
@@ -75,8 +74,7 @@ def _replay(args: argparse.Namespace) -> int:
         sync_overrides=parse_overrides(args.sync, "--sync"), pipeline_depth=args.pipeline_depth,
         pipeline_steps=args.pipeline_steps,
     )  # fmt: skip
-    progress = not args.no_progress and sys.stdout.isatty()
-    result = run_replay(cfg, progress=progress, command=command_line(args))
+    result = run_replay(cfg, progress=not args.no_progress, command=command_line(args))
     paths = write_report(result, args.report, plots=not args.no_plots)
     print(headline_text(result))
     print(f"report: {', '.join(str(p) for p in paths.values())}")

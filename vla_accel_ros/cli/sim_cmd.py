@@ -35,35 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=_record)
 
 
-class _Progress:
-    """One status line on a terminal, a line per episode otherwise (CI logs)."""
-
-    def __init__(self, episodes: int, steps: int) -> None:
-        self.episodes, self.steps = episodes, steps
-        self.tty = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
-
-    def update(self, episode: int, step: int) -> None:
-        if self.tty and (step % 10 == 0 or step + 1 == self.steps):
-            done = episode * self.steps + step + 1
-            fps = done / max(time.perf_counter() - self.t0, 1e-9)
-            line = (
-                f"episode {episode + 1}/{self.episodes}  step {step + 1:>4}/{self.steps}  {fps:5.1f} frames/s"
-            )
-            print(f"\r  {line}", end="", file=sys.stderr, flush=True)
-
-    def episode_done(self, episode: int, seed: int, success: bool) -> None:
-        if self.tty:
-            print("\r" + " " * 72 + "\r", end="", file=sys.stderr)
-        outcome = "success" if success else "failure"
-        elapsed = time.perf_counter() - self.t0
-        print(
-            f"  episode {episode + 1}/{self.episodes} (seed {seed}): {outcome}  [{elapsed:.1f} s]",
-            file=sys.stderr,
-        )
-
-
 def _record(args: argparse.Namespace) -> int:
+    from vla_accel_ros.bench.progress import progress_bar
     from vla_accel_ros.core.errors import ConfigError
     from vla_accel_ros.io.bag_file import bag_size_bytes
     from vla_accel_ros.io.bag_writer import BagWriter
@@ -80,20 +53,22 @@ def _record(args: argparse.Namespace) -> int:
         cameras=cameras, height=args.height, width=args.width,
     )  # fmt: skip
     start_ns = time.time_ns() if args.start_time is None else int(args.start_time * 1e9)
-    progress = _Progress(args.episodes, args.steps)
     print(
         f"recording {args.episodes} x {args.steps} steps of {args.task} (cameras {', '.join(cameras)}, "
         f"{args.width}x{args.height}) to {args.out} [{args.storage}]",
         file=sys.stderr,
     )
     t0 = time.perf_counter()
-    with BagWriter(args.out, storage=args.storage, compress=False if args.no_compress else None) as writer:
+    bar = progress_bar(args.episodes * args.steps, "sim record", "step")
+    with BagWriter(args.out, storage=args.storage, compress=False if args.no_compress else None) as writer, bar:
         rec = FrameRecorder(writer, start_ns=start_ns)
         for frame in frames:
             rec.write(frame)
-            progress.update(frame.episode, frame.step)
+            bar.update(1)
             if frame.done:
-                progress.episode_done(frame.episode, frame.seed, frame.success)
+                outcome = "success" if frame.success else "failure"
+                bar.write(f"  episode {frame.episode + 1}/{args.episodes} (seed {frame.seed}): {outcome}  "
+                          f"[{time.perf_counter() - t0:.1f} s]", file=sys.stderr)  # fmt: skip
     seconds = time.perf_counter() - t0
     size = bag_size_bytes(args.out)
     print(

@@ -8,7 +8,6 @@ normalization statistics. Weights load with safetensors only; nothing is unpickl
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,57 @@ from vla_accel_ros.core.errors import BundleError, ConfigError
 FORMAT = "vla_accel_ros.bundle/1"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+
+
+# What a bundle may declare for its modules. Far beyond the models this package runs (a few
+# billion parameters on a robot's computer), short of what would end in an allocator traceback:
+# a config outside these is refused with the field named.
+_MODULE_LIMITS = {
+    "num_hidden_layers": (1, 256),
+    "hidden_size": (1, 32_768),
+    "intermediate_size": (1, 131_072),
+    "num_attention_heads": (1, 512),
+    "num_key_value_heads": (1, 512),
+    "head_dim": (1, 1024),
+    "vocab_size": (1, 1_000_000),
+    "max_position_embeddings": (1, 1_048_576),
+}
+_REQUIRED = {
+    "vision": ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
+    "lm": ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
+    "expert": ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
+}
+MAX_PARAMETERS = 20_000_000_000  # what the sizes may add up to (80 GB of float32 weights)
+
+
+def _check_module(name: str, cfg: Mapping[str, Any]) -> None:
+    """Sizes of one module config (vision, lm, expert): integers within :data:`_MODULE_LIMITS`."""
+    for key in _REQUIRED[name]:
+        if key not in cfg:
+            raise ConfigError(f"{name}.{key} is required")
+    for key, (lo, hi) in _MODULE_LIMITS.items():
+        if key not in cfg or cfg[key] is None:
+            continue
+        v = cfg[key]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{name}.{key}={v!r} must be an integer in [{lo}, {hi}]")
+        if not lo <= v <= hi:
+            raise ConfigError(f"{name}.{key}={v} is out of range [{lo}, {hi}]")
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % kv:
+        raise ConfigError(f"{name}.num_attention_heads={heads} must be a multiple of {name}.num_key_value_heads={kv}")
+    if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
+        raise ConfigError(f"{name}.hidden_size={cfg['hidden_size']} must be a multiple of {name}.num_attention_heads={heads}")
+
+
+def _module_parameters(cfg: Mapping[str, Any]) -> int:
+    """About how many weights a transformer module of these sizes has (attention, MLP, embeddings)."""
+    h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    attention = h * hd * (2 * heads + 2 * kv)
+    return n * (attention + 3 * h * i) + 2 * cfg.get("vocab_size", 0) * h
 
 
 @dataclass(frozen=True)
@@ -61,6 +111,17 @@ class BundleSpec(Config):
         for key in ("vision", "lm", "norm_stats"):
             if not isinstance(getattr(self, key), dict):
                 raise ConfigError(f"{key} must be a mapping")
+        modules = {"vision": self.vision, "lm": self.lm}
+        if self.family == "flow":
+            if not isinstance(self.expert, dict):
+                raise ConfigError("flow bundles need an 'expert' decoder config")
+            modules["expert"] = self.expert
+        for name, cfg in modules.items():
+            _check_module(name, cfg)
+        total = sum(_module_parameters(cfg) for cfg in modules.values())
+        if total > MAX_PARAMETERS:
+            sizes = ", ".join(f"{n}: {c['num_hidden_layers']} layers x hidden {c['hidden_size']}" for n, c in modules.items())
+            raise ConfigError(f"the module sizes ({sizes}) add up to about {total:.3g} parameters, more than {MAX_PARAMETERS:.3g}")
         if (self.vision.get("image_size"), self.vision.get("patch_size")) != (self.image_size, self.patch_size):
             raise ConfigError("vision.image_size / vision.patch_size must equal image_size / patch_size")
         if "action" not in self.norm_stats:
@@ -75,8 +136,6 @@ class BundleSpec(Config):
                     f"+ action_bins={self.action_bins} ids"
                 )
         else:
-            if not isinstance(self.expert, dict):
-                raise ConfigError("flow bundles need an 'expert' decoder config")
             for key in ("num_hidden_layers", "num_key_value_heads"):
                 if self.expert.get(key) != self.lm.get(key):
                     raise ConfigError(f"expert.{key} must equal lm.{key} (the expert attends to the VLM's K/V)")
@@ -86,6 +145,11 @@ class BundleSpec(Config):
     @property
     def grid(self) -> int:
         return self.image_size // self.patch_size
+
+    @property
+    def decoder_layers(self) -> int:
+        """Layers of the VLM decoder (what a config's layer indices are checked against)."""
+        return int(self.lm["num_hidden_layers"])
 
 
 def _head_dim(spec: Mapping[str, Any]) -> int:
@@ -164,7 +228,3 @@ def shipped_bundle(name: str) -> Path:
     if not (path / CONFIG_FILE).is_file():
         raise BundleError(f"{path}: not a bundle (no {CONFIG_FILE})")
     return path
-
-
-def count_parameters(state_dict: Mapping[str, Any]) -> int:
-    return int(sum(math.prod(v.shape) for v in state_dict.values()))

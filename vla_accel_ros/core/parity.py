@@ -23,6 +23,7 @@ cache some token must be reused unless its relevance eviction evicted every stat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -95,9 +96,20 @@ def _reference(policy, obs: Observation, noise):
     return policy.reference_infer(obs)
 
 
-def run_parity(policy, tolerance: float = 1e-3, seed: int = 1234, accel_tolerance: float | None = None) -> ParityReport:
+PARITY_STEPS = ("prefix_hidden", "actions", "actions_reuse", "accelerated")
+
+
+def run_parity(
+    policy,
+    tolerance: float = 1e-3,
+    seed: int = 1234,
+    accel_tolerance: float | None = None,
+    on_step: Callable[[str], None] | None = None,
+) -> ParityReport:
     """Compare ``policy`` (ArPolicy or FlowPolicy) with its transformers reference; the
-    accelerated check runs when its planner is not the full recompute."""
+    accelerated check runs when its planner is not the full recompute. ``on_step(name)`` after
+    each of :data:`PARITY_STEPS` (progress; "accelerated" also when there is nothing to check)."""
+    step = on_step or (lambda _name: None)
     spec, cfg = policy.spec, policy.config
     accel_tolerance = cfg.parity_tolerance_accel if accel_tolerance is None else accel_tolerance
     obs = fixed_observation(spec, seed)
@@ -107,6 +119,7 @@ def run_parity(policy, tolerance: float = 1e-3, seed: int = 1234, accel_toleranc
     ref_h = policy.reference_prefix_hidden(obs)
     eng_h = policy.engine_prefix_hidden(obs)
     report.check("prefix_hidden_max_abs", float((ref_h - eng_h).abs().max()))
+    step("prefix_hidden")
 
     noise = None
     if spec.family == "flow":
@@ -124,8 +137,10 @@ def run_parity(policy, tolerance: float = 1e-3, seed: int = 1234, accel_toleranc
         if spec.family == "ar" and exact:
             mismatched = sum(a != b for a, b in zip(got.stats["action_tokens"], ref.stats["action_tokens"]))
             report.check(f"{name}_token_mismatches", float(mismatched), tolerance=0.0)
+        step(name)
     if cfg.accel != "none":
         _accelerated_check(policy, obs, noise, report, accel_tolerance)
+    step("accelerated")
     policy.reset()
     return report
 

@@ -44,20 +44,27 @@ def header_stamp_ns(cdr: bytes) -> int:
 class ReorderBuffer:
     """Hands items back in stamp order once they are ``window_ns`` older than the newest stamp
     seen. Equal stamps go by ``rank`` (lower first), then arrival: an episode marker and its
-    instruction precede the data of the same tick, as ``vla-accel sim record`` writes them."""
+    instruction precede the data of the same tick, as ``vla-accel sim record`` writes them.
+    At most ``max_items`` wait (stamps that stop advancing, e.g. a paused sim clock, would
+    otherwise keep everything): beyond that the oldest leave early, still in order."""
 
-    def __init__(self, window_ns: int) -> None:
-        self.window_ns = int(window_ns)
+    def __init__(self, window_ns: int, max_items: int = 10_000) -> None:
+        if max_items < 1:
+            raise ValueError(f"max_items={max_items} must be >= 1")
+        self.window_ns, self.max_items = int(window_ns), int(max_items)
         self._heap: list[tuple[int, int, int, Any]] = []
         self._seq = 0
         self._newest = -1
+        self.overflowed = 0  # items handed back early because the buffer was full
 
     def push(self, stamp_ns: int, item: Any, rank: int = 0) -> list[tuple[int, Any]]:
         heapq.heappush(self._heap, (int(stamp_ns), int(rank), self._seq, item))
         self._seq += 1
         self._newest = max(self._newest, int(stamp_ns))
         out = []
-        while self._heap and self._heap[0][0] <= self._newest - self.window_ns:
+        while self._heap and (self._heap[0][0] <= self._newest - self.window_ns or len(self._heap) > self.max_items):
+            if self._heap[0][0] > self._newest - self.window_ns:
+                self.overflowed += 1
             stamp, _, _, it = heapq.heappop(self._heap)
             out.append((stamp, it))
         return out

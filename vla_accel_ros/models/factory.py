@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vla_accel_ros.core.bundle import Bundle, BundleSpec, count_parameters, load_bundle, read_spec, save_bundle
+from vla_accel_ros.core.bundle import WEIGHTS_FILE, Bundle, BundleSpec, load_bundle, read_spec, save_bundle
 from vla_accel_ros.core.errors import BundleError, ConfigError, ParityError, VlaAccelError
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import ALOHA_JOINT_NAMES, ALOHA_START_ARM, PolicyNodeConfig
@@ -121,22 +122,55 @@ def create_demo_bundle(family: str, size: str, out: str | Path, *, seed: int = 0
     return save_bundle(out, spec, model.state_dict())
 
 
-def model_from_bundle(bundle: Bundle) -> nn.Module:
-    with skip_init():
-        model = build_model(bundle.spec)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(bundle.state_dict))
-    unexpected = sorted(set(bundle.state_dict) - set(expected))
+def expected_weights(spec: BundleSpec) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight the config implies (built on the meta device: nothing allocated)."""
+    with torch.device("meta"), skip_init():
+        model = build_model(spec)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def check_weights(where: str | Path, spec: BundleSpec, weights: dict[str, tuple[tuple[int, ...], bool]]) -> None:
+    """Raise :class:`BundleError` unless ``weights`` (name -> (shape, is floating point)) are
+    exactly what ``spec`` implies: the loader's rule, and ``vla-accel bundle inspect``'s."""
+    expected = expected_weights(spec)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
         raise BundleError(
-            f"{bundle.path}: weights do not match the config: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"{where}: weights do not match the config: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
-    for name, tensor in bundle.state_dict.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise BundleError(f"{bundle.path}: {name} has shape {list(tensor.shape)}, config implies {list(expected[name].shape)}")
-        if not tensor.is_floating_point():
-            raise BundleError(f"{bundle.path}: {name} is {tensor.dtype}, expected a floating point tensor")
+    for name, (shape, floating) in weights.items():
+        if tuple(shape) != expected[name]:
+            raise BundleError(f"{where}: {name} has shape {list(shape)}, config implies {list(expected[name])}")
+        if not floating:
+            raise BundleError(f"{where}: {name} is not a floating point tensor")
+
+
+def stored_weights(path: str | Path) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Name -> (shape, is floating point) of a bundle's model.safetensors, read from its header
+    (no tensor is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    weights = Path(path) / WEIGHTS_FILE
+    if not weights.is_file():
+        raise BundleError(f"{path}: missing {WEIGHTS_FILE}")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            out = {}
+            for k in f.keys():
+                sl = f.get_slice(k)
+                out[k] = (tuple(sl.get_shape()), sl.get_dtype() in ("F16", "BF16", "F32", "F64"))
+            return out
+    except (SafetensorError, OSError) as e:
+        raise BundleError(f"{weights}: unreadable safetensors file: {e}") from e
+
+
+def model_from_bundle(bundle: Bundle) -> nn.Module:
+    weights = {k: (tuple(v.shape), v.is_floating_point()) for k, v in bundle.state_dict.items()}
+    check_weights(bundle.path, bundle.spec, weights)  # before anything is allocated
+    with skip_init():
+        model = build_model(bundle.spec)
     model.load_state_dict({k: v.to(torch.float32) for k, v in bundle.state_dict.items()}, strict=True)
     return model.eval()
 
@@ -208,12 +242,20 @@ def sibling_policy(policy, config: PolicyConfig):
     return build_policy(policy.spec, policy.model, config, where=policy.spec.name)
 
 
-def describe(bundle: Bundle) -> str:
-    s = bundle.spec
+def inspect_bundle(path: str | Path) -> str:
+    """A bundle's description once it passed the loader's checks (config fields and sizes,
+    weights against the config), reading only the weights' header; raises :class:`BundleError`."""
+    spec = read_spec(path)
+    weights = stored_weights(path)
+    check_weights(path, spec, weights)
+    return describe(Path(path), spec, sum(math.prod(shape) for shape, _ in weights.values()))
+
+
+def describe(path: Path, s: BundleSpec, parameters: int) -> str:
     lines = [
-        f"bundle      {bundle.path}",
+        f"bundle      {path}",
         f"name        {s.name} (family {s.family})",
-        f"parameters  {count_parameters(bundle.state_dict) / 1e6:.1f} M",
+        f"parameters  {parameters / 1e6:.1f} M",
         f"cameras     {', '.join(s.cameras)} at {s.image_size}px, {s.grid}x{s.grid} tokens each",
         f"lm          {s.lm.get('model_type', 'llama')}: {s.lm['num_hidden_layers']} layers, hidden {s.lm['hidden_size']}, "
         f"heads {s.lm['num_attention_heads']}/{s.lm.get('num_key_value_heads', s.lm['num_attention_heads'])} (q/kv)",

@@ -9,11 +9,14 @@ what it returns: the command through the backend (unless output is disabled with
 or the ``estop`` is active), ``motion_state``, and a ``ChunkRequest`` (with Real-Time Chunking
 guidance when ``scheduler.rtc``). All on the timer's thread: the loop is never shared.
 
-``/diagnostics`` reports loop rate, jitter, obs-to-chunk latency, holding and safety state.
+``/diagnostics`` reports loop rate, jitter (p50, p99, std, max), obs-to-chunk latency, holding
+and safety state. Run on its own (``ros2 run``, ``ros2 launch``, ``vla-accel bringup``) the node
+spins on one thread, at SCHED_FIFO priority ``realtime_priority`` when it is set and allowed.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -49,7 +52,10 @@ _READ_ONLY = (
 
 def _check(cfg: ControllerConfig) -> None:
     if cfg.scheduler.rtc and not cfg.request_chunks:
-        raise ConfigError("scheduler.rtc needs request_chunks: RTC guidance travels in ChunkRequests")
+        raise ConfigError(
+            "scheduler.rtc=True needs request_chunks=True (RTC guidance travels in ChunkRequests); "
+            "set request_chunks to true or rtc to false"
+        )
 
 
 class ActionControllerNode(Node):
@@ -62,7 +68,7 @@ class ActionControllerNode(Node):
         self.state = StateAssembler(cfg.robot)
         self.backend = make_backend(self, cfg)
         self.loop = LoopStats(cfg.scheduler.dt)
-        self.drops = DropCounter(self, "chunk", 2.0)
+        self.drops = DropCounter(self, "input", 2.0)
         self._lock = threading.Lock()  # inbox, observation stamp, joint states (input callbacks)
         self._inbox: deque[ActionChunkMsg] = deque(maxlen=32)
         self._obs_stamp = -1  # newest observation the policy holds
@@ -72,7 +78,8 @@ class ActionControllerNode(Node):
         safety = MutuallyExclusiveCallbackGroup()  # e-stop and enable never wait behind chunks
         self.create_subscription(ActionChunkMsg, graph.ACTION_CHUNK, self._on_chunk, qos.RELIABLE, callback_group=inputs)
         self.create_subscription(Header, graph.OBSERVATION_STAMP, self._on_obs_stamp, qos.RELIABLE, callback_group=inputs)
-        subscribe_joint_states(self, cfg.robot.joint_state_topics, self.state, self._lock, inputs)
+        subscribe_joint_states(self, cfg.robot.joint_state_topics, self.state, self._lock, inputs,
+                               max_future_ms=lambda: self.cfg.max_future_ms, drop=self.drops.drop)  # fmt: skip
         self.create_subscription(Bool, graph.ESTOP, self._on_estop, qos.LATCHED, callback_group=safety)
         self.create_service(SetBool, graph.ENABLE, self._on_enable, callback_group=safety)
         self._request_pub = self.create_publisher(ChunkRequest, graph.CHUNK_REQUEST, qos.RELIABLE)
@@ -94,7 +101,10 @@ class ActionControllerNode(Node):
     # -- inputs ---------------------------------------------------------------------------------
     def _on_chunk(self, msg: ActionChunkMsg) -> None:
         with self._lock:
-            self._inbox.append(msg)
+            full = len(self._inbox) == self._inbox.maxlen
+            self._inbox.append(msg)  # a full inbox loses its oldest chunk: counted
+        if full:
+            self.drops.drop("inbox_full", f"more than {self._inbox.maxlen} chunks between two ticks: the oldest was dropped")
 
     def _on_obs_stamp(self, msg: Header) -> None:
         with self._lock:
@@ -139,8 +149,7 @@ class ActionControllerNode(Node):
             self.get_logger().warning(text)
         for reason, detail in out.drops:
             self.drops.drop(reason, detail)
-        if out.command is not None:
-            self.backend.publish(out.command, now)
+        self.control.send(out, lambda command: self.backend.publish(command, now))
         if out.motion is not None:
             self._motion_pub.publish(motion_to_msg(out.motion, now, self.cfg.robot.joint_names))
         if out.request is not None:
@@ -167,6 +176,8 @@ class ActionControllerNode(Node):
         values = {
             "loop rate hz": loop.rate_hz,
             "period mean ms": loop.period_mean_ms,
+            "jitter p50 ms": loop.jitter_p50_ms,
+            "jitter p99 ms": loop.jitter_p99_ms,
             "jitter std ms": loop.jitter_std_ms,
             "jitter max ms": loop.jitter_max_ms,
             "obs-to-chunk p50 ms": m.latency_p50_ms,
@@ -178,6 +189,7 @@ class ActionControllerNode(Node):
             "chunks": c.chunks_in,
             "requests": c.requests_out,
             "commands": c.commands,
+            "commands withheld": c.withheld,
             "enabled": enabled,
             "estop": estop,
             "watchdog trips": c.watchdog.trips,
@@ -185,7 +197,7 @@ class ActionControllerNode(Node):
             "clamped": clamped,
             "motion mode": MODE_NAMES[c.motion.mode],
         }
-        values.update({f"dropped {k}": v for k, v in self.drops.counts.items()})
+        values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
         self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: control", level, message, values)]))
 
     def reset_stats(self) -> None:
@@ -203,6 +215,8 @@ class ActionControllerNode(Node):
             "chunks": c.chunks_in,
             "requests": c.requests_out,
             "loop_rate_hz": loop.rate_hz,
+            "jitter_p50_ms": loop.jitter_p50_ms,
+            "jitter_p99_ms": loop.jitter_p99_ms,
             "jitter_std_ms": loop.jitter_std_ms,
             "jitter_max_ms": loop.jitter_max_ms,
             "holding_fraction": c.holding_fraction(),
@@ -215,9 +229,24 @@ class ActionControllerNode(Node):
     def close(self) -> None:
         pass
 
+    def use_realtime_priority(self) -> None:
+        """``realtime_priority``: SCHED_FIFO for the calling thread, which spins this node in its
+        own process (:func:`main`); never applied to a process that hosts other nodes."""
+        prio = self.cfg.realtime_priority
+        if not prio:
+            return
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(prio))
+        except (OSError, AttributeError) as e:
+            self.get_logger().warning(f"realtime_priority {prio} not applied (needs CAP_SYS_NICE or an rtprio limit): {e}")
+            return
+        self.get_logger().info(f"control loop at SCHED_FIFO priority {prio}")
+
 
 def main(args: list[str] | None = None) -> None:
-    spin_node(ActionControllerNode, args)
+    # One thread: a thread pool costs more per callback than the 50 Hz tick itself (measured: 34 %
+    # of a core against 18 %), and the tick, e-stop and enable never wait more than one callback.
+    spin_node(ActionControllerNode, args, threads=1, prepare=ActionControllerNode.use_realtime_priority)
 
 
 if __name__ == "__main__":

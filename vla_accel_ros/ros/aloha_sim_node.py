@@ -209,12 +209,12 @@ class AlohaSimNode(Node):
         elif s["lockstep_timeouts"] and s["steps"] and s["lockstep_timeouts"] > 0.5 * s["steps"]:
             level, message = WARN, "most steps went on without a command (is the controller commanding?)"
         values = dict(s)
-        values.update({f"dropped {k}": v for k, v in self.drops.counts.items()})
+        values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
         self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: simulator", level, message, values)]))
 
     def reset_stats(self) -> None:
         self.runner.reset_stats()
-        self.drops.counts.clear()
+        self.drops.clear()
 
     def summary(self) -> dict[str, object]:
         return self.runner.summary()

@@ -1,7 +1,10 @@
 """Start the graph :func:`vla_accel_ros.ros.graph.describe` returns, in this process, without
 launch_ros: one rclpy context, every node with its own callback groups, one
 MultiThreadedExecutor, the parameter file passed exactly as ``ros2 launch`` passes it
-(``--ros-args --params-file``) plus the description's overrides.
+(``--ros-args --params-file``) plus the description's overrides. ``vla-accel bringup
+--one-process`` and the tests use it; ``vla-accel bringup`` runs each node in its own process
+(:mod:`vla_accel_ros.ros.processes`), with the same interface (``wait_ready``, ``reset_stats``,
+``exited``, ``stop``) and the same :func:`format_summary`.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from typing import Callable
 
 import rclpy
 from rclpy.context import Context
-from rclpy.executors import MultiThreadedExecutor
+from rclpy.executors import Executor, MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from vla_accel_ros.core.robot.observation import SharedChannels
-from vla_accel_ros.ros.common import drain_executor, prefer_responsive_threads
+from vla_accel_ros.ros.common import drain_executor, prefer_responsive_threads, return_freed_frames_to_the_system
 from vla_accel_ros.ros.graph import CAMERA, CONTROLLER, POLICY, SIM, Graph, NodeSpec
 
 
@@ -48,13 +51,36 @@ class RunningGraph:
     skipped: list[str] = field(default_factory=list)
     executor: MultiThreadedExecutor | None = None
     thread: threading.Thread | None = None
-    stop: threading.Event = field(default_factory=threading.Event)
+    halt: threading.Event = field(default_factory=threading.Event)  # ends the spin thread
     started: float = 0.0
 
     def add_node(self, name: str, node: Node) -> None:
         """Run one more node (not of the description, e.g. a recorder) on this graph's executor."""
         self.nodes[name] = node
         self.executor.add_node(node)
+
+    def add_recorder(self, name: str, module: str, node_class: str, parameters: dict) -> None:
+        """One more node of ``module.node_class`` named ``name`` with ``parameters``."""
+        cls = getattr(importlib.import_module(module), node_class)
+        kwargs = dict(node_name=name, context=self.context, parameter_overrides=[Parameter(k, value=v) for k, v in parameters.items()])
+        if self.graph.namespace:
+            kwargs["namespace"] = self.graph.namespace
+        self.add_node(name, cls(**kwargs))
+
+    def exited(self) -> str:
+        """'' while the graph spins, else what stopped."""
+        return "" if self.thread is None or self.thread.is_alive() else "the executor stopped"
+
+    def stop(self) -> dict[str, object]:
+        """Close every node (workers stop, the recorder writes what it buffered), then their
+        summaries, then shut down: a summary counts what the bag holds."""
+        for node in self.nodes.values():
+            close = getattr(node, "close", None)
+            if close is not None:
+                close()
+        out = self.summary()
+        self.shutdown()
+        return out
 
     def stop_node(self, name: str) -> None:
         """Stop one node while the others keep running (tests: a policy that dies)."""
@@ -75,7 +101,7 @@ class RunningGraph:
             close = getattr(node, "close", None)
             if close is not None:
                 close()
-        self.stop.set()
+        self.halt.set()
         if self.thread is not None:
             self.thread.join(timeout=10.0)
         if self.executor is not None:
@@ -129,6 +155,7 @@ def start(
 ) -> RunningGraph:
     """Create every available node of ``graph`` and spin them on a background thread."""
     prefer_responsive_threads()
+    return_freed_frames_to_the_system()
     if context is None:
         context = Context()
         rclpy.init(context=context, domain_id=domain_id)
@@ -157,17 +184,19 @@ def start(
         running.shutdown()
         raise
     running.started = time.monotonic()
-    running.thread = threading.Thread(target=_spin, args=(running,), name="bringup-executor", daemon=True)
+    running.thread = threading.Thread(
+        target=spin_until, args=(running.executor, context, running.halt), name="bringup-executor", daemon=True
+    )
     running.thread.start()
     return running
 
 
-def _spin(running: RunningGraph) -> None:
-    """``executor.spin()`` that can be stopped from another thread without shutting the
-    executor down under running callbacks (see :func:`drain_executor`)."""
+def spin_until(executor: Executor, context: Context, halt: threading.Event) -> None:
+    """``executor.spin()`` that can be stopped from another thread (``halt``) without shutting
+    the executor down under running callbacks (see :func:`drain_executor`)."""
     try:
-        while not running.stop.is_set() and running.context.ok():
-            running.executor.spin_once(timeout_sec=0.1)
+        while not halt.is_set() and context.ok():
+            executor.spin_once(timeout_sec=0.1)
     except rclpy.executors.ExternalShutdownException:
         pass
 
@@ -192,7 +221,8 @@ def format_summary(s: dict[str, object]) -> str:
         cmds = int(ctl.get("commands", 0))
         lines.append(
             f"controller  {ctl.get('ticks', 0)} ticks at {float(ctl.get('loop_rate_hz', 0.0)):.1f} Hz "
-            f"(jitter std {float(ctl.get('jitter_std_ms', 0.0)):.2f} ms, max {float(ctl.get('jitter_max_ms', 0.0)):.1f} ms), "
+            f"(jitter p50 {float(ctl.get('jitter_p50_ms', 0.0)):.2f} ms, p99 {float(ctl.get('jitter_p99_ms', 0.0)):.2f} ms, "
+            f"max {float(ctl.get('jitter_max_ms', 0.0)):.1f} ms), "
             f"{ctl.get('chunks', 0)} chunks in, {ctl.get('requests', 0)} requests, {cmds} commands "
             f"({cmds / dur if dur else 0.0:.1f}/s), holding {100 * float(ctl.get('holding_fraction', 0.0)):.1f} %, "
             f"obs->chunk p50/p95 {_ms(ctl.get('latency_p50_ms'))}/{_ms(ctl.get('latency_p95_ms'))}, "

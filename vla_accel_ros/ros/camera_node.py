@@ -8,7 +8,9 @@ latest per camera). When every camera has a new frame within ``max_age_ms`` / ``
 the observation goes to the
 policy: on the ``observation`` topic, or straight into the shared latest-only buffer when both
 nodes run in one process (``observation_transport: shared``). Frames that cannot be used are
-dropped with a throttled warning and counted in ``/diagnostics``; the node keeps running.
+dropped with a throttled warning and counted in ``/diagnostics``; the node keeps running. A
+frame stamped more than ``max_future_ms`` ahead of the node's clock is dropped before it is
+decoded (``future_stamp``): a camera with a wrong clock must not date observations in the future.
 """
 
 from __future__ import annotations
@@ -37,11 +39,8 @@ class CameraNode(Node):
         super().__init__(node_name, **kwargs)
         self.params = ConfigParameters(self, CameraConfig, on_staged=self._apply)
         cfg: CameraConfig = self.params.config
-        self.converter = ImageConverter(cfg.converter)
-        self.assembler = ObservationAssembler(
-            cfg.cameras, max_age_ns=int(cfg.max_age_ms * 1e6), max_skew_ns=int(cfg.max_skew_ms * 1e6),
-            image_size=cfg.image_size,
-        )  # fmt: skip
+        self.converter = ImageConverter(cfg.converter, cfg.max_pixels)
+        self.assembler = ObservationAssembler(cfg.cameras, image_size=cfg.image_size, **_limits(cfg))
         self._lock = threading.Lock()  # the assembler
         self.drops = DropCounter(self, "camera frame", cfg.warn_throttle_s)
         self.frames: Counter[str] = Counter()
@@ -77,24 +76,29 @@ class CameraNode(Node):
     # -- parameters ---------------------------------------------------------------------------
     def _apply(self, cfg: CameraConfig) -> None:
         with self._lock:
-            self.assembler.set_limits(max_age_ns=int(cfg.max_age_ms * 1e6), max_skew_ns=int(cfg.max_skew_ms * 1e6))
+            self.assembler.set_limits(**_limits(cfg))
         self.drops.throttle_s = cfg.warn_throttle_s
+        self.converter.max_pixels = cfg.max_pixels
 
     # -- frames -------------------------------------------------------------------------------
     def _on_frame(self, camera: str, compressed: bool, msg) -> None:
         now = self.get_clock().now().nanoseconds
-        try:
-            rgb = self.converter.compressed(msg) if compressed else self.converter.raw(msg)
-            rgb = self.assembler.prepare(rgb)  # the policy's size; outside the lock (parallel)
-        except ImageError as e:
-            self.drops.drop(e.reason, f"{camera}: {e}")
-            return
         stamp = stamp_to_ns(msg.header.stamp)
         if stamp == 0:  # some drivers do not stamp; the arrival time is the best we have
             stamp = now
             if not self._unstamped_warned:
                 self._unstamped_warned = True
                 self.get_logger().warning(f"{camera}: frames carry no header stamp; using arrival time")
+        why = self.assembler.too_new(stamp, now)  # before decoding: a wrong clock costs nothing
+        if why:
+            self.drops.drop("future_stamp", f"{camera}: {why}")
+            return
+        try:
+            rgb = self.converter.compressed(msg) if compressed else self.converter.raw(msg)
+            rgb = self.assembler.prepare(rgb)  # the policy's size; outside the lock (parallel)
+        except ImageError as e:
+            self.drops.drop(e.reason, f"{camera}: {e}")
+            return
         with self._lock:
             self.frames[camera] += 1
             obs = self.assembler.add(camera, rgb, stamp, now)  # a clock that jumped back starts over
@@ -122,20 +126,27 @@ class CameraNode(Node):
             level, message = WARN, reject
         values: dict[str, object] = {f"frames {c}": self.frames[c] for c in self.assembler.cameras}
         values.update({"observations": self.observations, "dropped": self.drops.total})
-        values.update({f"dropped {k}": v for k, v in self.drops.counts.items()})
+        values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
         values.update({f"rejected {k}": v for k, v in rejects.items()})
         self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: cameras", level, message, values)]))
 
     def reset_stats(self) -> None:
         self.frames.clear()
         self.observations = 0
-        self.drops.counts.clear()
+        self.drops.clear()
 
     def summary(self) -> dict[str, object]:
         return {"frames": sum(self.frames.values()), "observations": self.observations, "dropped": self.drops.total}
 
     def close(self) -> None:
         pass
+
+
+def _limits(cfg: CameraConfig) -> dict[str, int]:
+    """The image half's limits in ns, as :class:`ObservationAssembler` takes them."""
+    return dict(
+        max_age_ns=int(cfg.max_age_ms * 1e6), max_skew_ns=int(cfg.max_skew_ms * 1e6), max_future_ns=int(cfg.max_future_ms * 1e6)
+    )
 
 
 def main(args: list[str] | None = None) -> None:

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import signal
 import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Callable, Sequence
 
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
 from rclpy.callback_groups import CallbackGroup
 from rclpy.node import Node
+from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import JointState
 
 from vla_accel_ros.core.robot.observation import StateGate
@@ -27,19 +33,66 @@ OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.E
 # it wait behind that thread several times per tick. 1 ms measured lower jitter (bringup, 2 cores).
 GIL_SWITCH_INTERVAL_S = 0.001
 
+MAX_LOGGED_CHARS = 200  # a text from the outside world is logged at most this long
+
+
+def capped(text: str, limit: int = MAX_LOGGED_CHARS) -> str:
+    """``text`` for a log line: at most ``limit`` characters, saying how long it was."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
 
 def prefer_responsive_threads() -> None:
     if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
 
+# glibc serves blocks of at least this size with mmap, so they go back to the system when freed.
+MMAP_THRESHOLD_BYTES = 128 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+
+
+def return_freed_frames_to_the_system() -> bool:
+    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES` (its default, which glibc
+    otherwise raises up to 32 MB each time a large block is freed). Without this, after the
+    first frames are freed every later frame-sized buffer (decoded images, conversions, on up
+    to 8 callback threads) comes from the heap arenas, and a storm of frames leaves hundreds of
+    MB with the process for good (measured: a camera node 81 -> 413 MB, still 413 MB 30 s
+    later). Returns whether it applied (glibc only)."""
+    import ctypes  # noqa: PLC0415
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
 def subscribe_joint_states(
-    node: Node, topics: Sequence[str], state: StateAssembler | StateGate, lock: threading.Lock, group: CallbackGroup
+    node: Node,
+    topics: Sequence[str],
+    state: StateAssembler | StateGate,
+    lock: threading.Lock,
+    group: CallbackGroup,
+    *,
+    max_future_ms: Callable[[], float],
+    drop: Callable[[str, str], None],
 ) -> None:
-    """Feed ``state`` from the robot's JointState topics (message stamp, else receive time)."""
+    """Feed ``state`` from the robot's JointState topics (message stamp, else receive time).
+    A message stamped more than ``max_future_ms()`` ahead of the node's clock is dropped;
+    NaN / inf positions are dropped (the assembler keeps the joint's last finite reading) and
+    counted as ``nonfinite_joint_state``."""
 
     def on_joint_state(index: int, msg: JointState) -> None:
-        stamp = stamp_to_ns(msg.header.stamp) or node.get_clock().now().nanoseconds
+        now = node.get_clock().now().nanoseconds
+        stamp = stamp_to_ns(msg.header.stamp) or now
+        limit = max_future_ms()
+        if stamp - now > limit * 1e6:
+            drop("future_stamp", f"{topics[index]}: stamped {(stamp - now) / 1e6:.1f} ms ahead of the clock > max_future_ms {limit:g}")
+            return
+        bad = [n for n, v in zip(msg.name, msg.position) if not math.isfinite(v)]
+        if bad:
+            drop("nonfinite_joint_state", f"{topics[index]}: {capped(', '.join(bad))} not finite")
         with lock:
             state.update(index, msg.name, msg.position, stamp)
 
@@ -67,24 +120,40 @@ def diagnostics(node: Node, statuses: list[DiagnosticStatus]) -> DiagnosticArray
 
 class DropCounter:
     """Counts dropped inputs by reason and logs each reason at most once per throttle period
-    (throttled per reason, so a flood of one kind cannot hide another)."""
+    (throttled per reason, so a flood of one kind cannot hide another). Callbacks on any thread
+    drop; diagnostics read :meth:`snapshot` (a copy taken under the lock, never the live counter)."""
 
     def __init__(self, node: Node, what: str, throttle_s: float) -> None:
         self.node, self.what, self.throttle_s = node, what, throttle_s
         self.counts: Counter[str] = Counter()
         self._logged: dict[str, float] = {}
+        self._lock = threading.Lock()
 
     def drop(self, reason: str, detail: str) -> None:
-        self.counts[reason] += 1
         now = time.monotonic()
-        last = self._logged.get(reason)
-        if last is None or now - last >= self.throttle_s:
-            self._logged[reason] = now
-            self.node.get_logger().warning(f"dropped {self.what} ({reason}, {self.counts[reason]} so far): {detail}")
+        with self._lock:
+            self.counts[reason] += 1
+            n = self.counts[reason]
+            last = self._logged.get(reason)
+            log = last is None or now - last >= self.throttle_s
+            if log:
+                self._logged[reason] = now
+        if log:
+            self.node.get_logger().warning(f"dropped {self.what} ({reason}, {n} so far): {capped(detail, 3 * MAX_LOGGED_CHARS)}")
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.counts.clear()
 
     @property
     def total(self) -> int:
-        return sum(self.counts.values())
+        with self._lock:
+            return sum(self.counts.values())
+
 
 
 def drain_executor(executor: MultiThreadedExecutor, timeout_s: float = 5.0) -> None:
@@ -99,30 +168,70 @@ def drain_executor(executor: MultiThreadedExecutor, timeout_s: float = 5.0) -> N
     executor.shutdown(timeout_sec=timeout_s)
 
 
-def spin_node(factory: Callable[..., Node], args: list[str] | None = None) -> None:
+SUMMARY_OUT = "--summary-out"  # a node's own argument (outside --ros-args): write summary() there at exit
+
+
+def _pop_option(argv: list[str], name: str) -> str | None:
+    """Remove ``name VALUE`` from ``argv`` (before any --ros-args) and return VALUE."""
+    end = argv.index("--ros-args") if "--ros-args" in argv else len(argv)
+    for i in range(1, end - 1):
+        if argv[i] == name:
+            value = argv[i + 1]
+            del argv[i : i + 2]
+            return value
+    return None
+
+
+def spin_node(
+    factory: Callable[..., Node], args: list[str] | None = None, *, threads: int = 4, prepare: Callable[[Node], None] | None = None
+) -> None:
     """``main()`` of every node: init, build, spin on a MultiThreadedExecutor, shut down.
 
-    Errors are not swallowed: a node that cannot start raises (non-zero exit); Ctrl-C and an
-    external shutdown end the spin quietly. ``rclpy.init()`` with try/finally (not ``with``),
+    Errors are not swallowed: a node that cannot start raises (non-zero exit). Ctrl-C (SIGINT)
+    and SIGTERM, whenever they come (while the node starts, or during an inference), end it
+    quietly and in order: rclpy's own signal handler is off, so the context stays valid until
+    the node has closed (its worker stopped) and the executor drained, and nothing publishes
+    into a context that is already shut down. ``rclpy.init()`` with try/finally (not ``with``),
     which works from Humble on.
+
+    For a launcher that runs each node in its own process (``vla-accel bringup``): SIGUSR1
+    resets the node's statistics (``reset_stats``) and ``--summary-out PATH`` (before
+    ``--ros-args``) writes ``summary()`` (with the process id) as JSON to PATH once the node has
+    closed. ``threads`` 1 spins a SingleThreadedExecutor (less overhead per callback than a
+    thread pool); ``prepare(node)`` runs in this (the spinning) thread before it spins.
     """
+    argv = list(sys.argv if args is None else args)
+    summary_out = _pop_option(argv, SUMMARY_OUT)
     prefer_responsive_threads()
-    rclpy.init(args=args if args is not None else sys.argv)
-    node = None
+    return_freed_frames_to_the_system()
+    reset = threading.Event()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # the same orderly end as Ctrl-C
+    signal.signal(signal.SIGUSR1, lambda *_: reset.set())
+    rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
+    node = executor = None
     try:
         node = factory()
-        executor = MultiThreadedExecutor(num_threads=4)
+        executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
         executor.add_node(node)
-        try:
-            executor.spin()
-        except (KeyboardInterrupt, ExternalShutdownException):
-            pass
-        finally:
-            drain_executor(executor)
+        if prepare is not None:
+            prepare(node)
+        while rclpy.ok():
+            executor.spin_once(timeout_sec=0.1)
+            if reset.is_set():
+                reset.clear()
+                getattr(node, "reset_stats", lambda: None)()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
         if node is not None:
-            close = getattr(node, "close", None)
-            if close is not None:
-                close()
+            getattr(node, "close", lambda: None)()  # the worker stops while the context is valid
+        if executor is not None:
+            drain_executor(executor)
+        if node is not None:
+            if summary_out:
+                summary = {**getattr(node, "summary", dict)(), "pid": os.getpid()}
+                Path(summary_out).write_text(json.dumps(summary, default=str) + "\n")
             node.destroy_node()
         rclpy.try_shutdown()

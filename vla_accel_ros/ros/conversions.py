@@ -7,7 +7,7 @@ from builtin_interfaces.msg import Time
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header
 
-from vla_accel_ros.core.robot.images import ImageError, decode_compressed, decode_raw
+from vla_accel_ros.core.robot.images import MAX_PIXELS, ImageError, check_size, compressed_payload, decode_compressed, decode_raw
 from vla_accel_ros.core.robot.motion import MotionEstimate
 from vla_accel_ros.core.scheduling import InferenceRequest
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance
@@ -35,10 +35,13 @@ class ImageConverter:
     """``sensor_msgs/Image`` / ``CompressedImage`` -> RGB uint8 [H, W, 3].
 
     ``mode``: cv_bridge (required), numpy (never cv_bridge) or auto (cv_bridge when it imports).
-    Raises :class:`ImageError` for frames that cannot be used, whichever path decodes them.
+    Raises :class:`ImageError` for frames that cannot be used, whichever path decodes them; a
+    frame of more than ``max_pixels`` (width x height; compressed ones by their header) is
+    refused before it is decoded.
     """
 
-    def __init__(self, mode: str = "auto") -> None:
+    def __init__(self, mode: str = "auto", max_pixels: int = MAX_PIXELS) -> None:
+        self.max_pixels = int(max_pixels)
         self.bridge = None
         if mode in ("auto", "cv_bridge"):
             try:
@@ -54,21 +57,23 @@ class ImageConverter:
         if self.bridge is not None:
             if not len(msg.data):
                 raise ImageError("empty", f"{msg.encoding} {msg.width}x{msg.height} frame carries no data")
+            check_size(msg.width, msg.height, self.max_pixels)
             try:
                 out = self.bridge.imgmsg_to_cv2(msg, desired_encoding="rgb8")
             except Exception as e:  # noqa: BLE001 - CvBridgeError, cv2.error, TypeError, ValueError
                 raise ImageError("cv_bridge", f"{type(e).__name__}: {e}") from e
             return np.ascontiguousarray(out)
-        return decode_raw(msg.encoding, msg.height, msg.width, msg.step, bool(msg.is_bigendian), msg.data)
+        return decode_raw(msg.encoding, msg.height, msg.width, msg.step, bool(msg.is_bigendian), msg.data, self.max_pixels)
 
     def compressed(self, msg: CompressedImage) -> np.ndarray:
-        if self.bridge is not None and len(msg.data):
+        if self.bridge is not None:
+            compressed_payload(msg.format, msg.data, self.max_pixels)  # the header first
             try:
                 out = self.bridge.compressed_imgmsg_to_cv2(msg, desired_encoding="rgb8")
             except Exception as e:  # noqa: BLE001 - as above
                 raise ImageError("cv_bridge", f"{type(e).__name__}: {e}") from e
             return np.ascontiguousarray(out)
-        return decode_compressed(msg.format, msg.data)
+        return decode_compressed(msg.format, msg.data, self.max_pixels)
 
 
 def rgb_to_image(rgb: np.ndarray, stamp_ns: int, frame_id: str = "") -> Image:

@@ -7,7 +7,8 @@ the field's documentation, its range (``IntegerRange`` / ``FloatingPointRange``)
 (in ``additional_constraints``) and ``read_only``.
 
 Changes: the on-set callback validates by building the whole config from the current values
-plus the proposed ones and rejects with the :class:`ConfigError` text as the reason; the
+plus the proposed ones and rejects with the parameters and values asked for and the
+:class:`ConfigError` text (which says the allowed values) as the reason; the
 post-set callback (Iron and newer; on Humble the on-set callback itself) stages the new config,
 and the node swaps it in at a point of its choosing (:meth:`ConfigParameters.take_pending`),
 e.g. between two inferences, so a change never lands half-way through one.
@@ -28,6 +29,7 @@ from rclpy.parameter import Parameter
 
 from vla_accel_ros.core.config import Config, flatten, unflatten
 from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.ros.common import capped
 
 _SCALARS = {
     bool: Parameter.Type.BOOL,
@@ -194,8 +196,9 @@ class ConfigParameters:
             values[p.name] = self._by_name[p.name].default if p.type_ == Parameter.Type.NOT_SET else from_ros(p.value)
         try:
             cfg = self._build(values)
-        except ConfigError as e:
-            return SetParametersResult(successful=False, reason=str(e))
+        except ConfigError as e:  # the reason names what was set and its value, then why not
+            asked = ", ".join(f"{p.name}={capped(repr(values[p.name]))}" for p in mine)
+            return SetParametersResult(successful=False, reason=f"{asked} rejected: {e}")
         with self._lock:
             self._candidate = (values, cfg)
         if not self._has_post_set:  # Humble: no post-set callback; nothing else can veto ours

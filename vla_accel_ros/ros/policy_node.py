@@ -21,26 +21,30 @@ loads the bundle, runs the worker's thread and publishes.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-import traceback
 
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
+from rclpy.parameter import Parameter
 from std_msgs.msg import Bool, Header, String
 from std_srvs.srv import Trigger
 
-from vla_accel_ros.core.errors import VlaAccelError
+from vla_accel_ros.core.bundle import BundleSpec, read_spec
+from vla_accel_ros.core.config import changed_fields, flatten
+from vla_accel_ros.core.errors import ConfigError, VlaAccelError
+from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig
-from vla_accel_ros.core.robot.inference import InferenceWorker, Request
+from vla_accel_ros.core.robot.inference import InferenceWorker, Request, Served
 from vla_accel_ros.core.robot.motion import MODE_NAMES
 from vla_accel_ros.core.robot.observation import AssembledObservation, ObservationChannel, SharedChannels
 from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest, InferenceStats, MotionState
 from vla_accel_ros.msg import Observation as ObservationMsg
 from vla_accel_ros.ros import graph, qos
-from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status, subscribe_joint_states
+from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, capped, diagnostics, spin_node, status, subscribe_joint_states
 from vla_accel_ros.ros.conversions import (
     chunk_to_msg,
     guidance_from_msg,
@@ -56,24 +60,28 @@ class PolicyNode(Node):
     def __init__(self, node_name: str = "policy_node", **kwargs) -> None:
         super().__init__(node_name, **kwargs)
         self.policy = None
+        self._spec: BundleSpec | None = None  # the bundle's config, for checks before the model loads
         # policy.seed seeds the noise generator once, at load: read-only here.
         self.params = ConfigParameters(self, PolicyNodeConfig, read_only=("policy.seed",), validate=self._check)
         cfg: PolicyNodeConfig = self.params.config
+        try:
+            self._spec = read_spec(cfg.bundle) if cfg.bundle else None
+        except VlaAccelError:
+            pass  # the load says why
         self.drops = DropCounter(self, "inference input", 2.0)
         channel = SharedChannels.get(self.context, cfg.shared_channel) if cfg.observation_transport == "shared" else ObservationChannel()
-        self.worker = InferenceWorker(cfg, channel, drop=self.drops.drop, log=self._log)
+        self.worker = InferenceWorker(cfg, channel, drop=self.drops.drop, log=self._log, restore=self._restore)
         self.channel = channel
         self.channel.listeners.append(self._announce)
         self.ready = False
         self.failure = ""
-        self.errors = 0
-        self._tracebacks: set[str] = set()
 
         inputs = MutuallyExclusiveCallbackGroup()
         control = MutuallyExclusiveCallbackGroup()
         if cfg.observation_transport == "topic":
             self.create_subscription(ObservationMsg, graph.OBSERVATION, self._on_observation, qos.LATEST, callback_group=inputs)
-        subscribe_joint_states(self, cfg.robot.joint_state_topics, self.worker.state, self.worker.lock, inputs)
+        subscribe_joint_states(self, cfg.robot.joint_state_topics, self.worker.state, self.worker.lock, inputs,
+                               max_future_ms=lambda: self.worker.cfg.max_future_ms, drop=self.drops.drop)  # fmt: skip
         self.create_subscription(String, graph.INSTRUCTION, self._on_instruction, qos.LATCHED, callback_group=control)
         self.create_subscription(ChunkRequest, graph.CHUNK_REQUEST, self._on_request, qos.RELIABLE, callback_group=control)
         self.create_subscription(
@@ -91,9 +99,23 @@ class PolicyNode(Node):
         self._thread.start()
 
     def _check(self, cfg: PolicyNodeConfig) -> None:
-        """A parameter change the loaded policy would refuse is refused now, with its reason."""
-        if self.policy is not None:
-            self.policy.check_config(cfg.policy)
+        """A parameter change the loaded policy would refuse is refused now, with its reason;
+        while the model loads, layer indices are checked against the bundle's depth."""
+        policy = self.policy
+        if policy is not None:
+            policy.check_config(cfg.policy)
+            try:
+                policy.text_ids(cfg.instruction)
+            except VlaAccelError as e:
+                raise ConfigError(str(e)) from e
+        elif self._spec is not None and cfg.policy.accel == "cache":
+            cfg.policy.cache.check_layers(self._spec.decoder_layers)
+
+    def _restore(self, running: PolicyConfig) -> None:
+        """Options the policy could not apply: the parameters go back to the running ones."""
+        values = flatten(running)
+        changed = changed_fields(self.params.config.policy, running)
+        self.set_parameters([Parameter(f"policy.{k}", value=list(values[k]) if isinstance(values[k], tuple) else values[k]) for k in changed])
 
     def _log(self, level: str, text: str) -> None:
         (self.get_logger().error if level == "error" else self.get_logger().info)(text)
@@ -112,8 +134,11 @@ class PolicyNode(Node):
         self._stamp_pub.publish(header(stamp_ns))
 
     def _on_instruction(self, msg: String) -> None:
-        self.worker.set_instruction(msg.data)
-        self.get_logger().info(f"instruction: {msg.data!r}")
+        why = self.worker.set_instruction(msg.data)
+        if why:  # counted and throttled: a storm of them cannot flood the log
+            self.drops.drop("instruction", f"instruction refused, the previous one stays: {why}: {capped(msg.data, 80)!r}")
+        else:
+            self.get_logger().info(f"instruction: {capped(msg.data)!r}")
 
     def _on_request(self, msg: ChunkRequest) -> None:
         req = Request(stamp_to_ns(msg.header.stamp), int(msg.request_id), int(msg.motion_mode), has_guidance=bool(msg.has_guidance))
@@ -131,33 +156,30 @@ class PolicyNode(Node):
 
     # -- the worker thread --------------------------------------------------------------------
     def _run(self) -> None:
+        nice = self.worker.cfg.worker_nice
+        if nice:  # this thread only (Linux: per-thread niceness); torch's threads, started from it, inherit it
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            except (OSError, AttributeError) as e:
+                self.get_logger().warning(f"worker_nice {nice} not applied: {e}")
         try:
             self._load()
         except Exception as e:  # noqa: BLE001 - any load failure: report, stay up, never command
             self.failure = f"{type(e).__name__}: {e}"
             self.get_logger().error(f"the policy did not start: {self.failure}")
             return
-        w = self.worker
-        while not w.stopped:
-            w.apply(self.params.take_pending())
-            job = w.next_job()
-            if job is None or w.stopped:
-                continue
-            try:
-                served = w.infer(job, lambda: self.get_clock().now().nanoseconds)
-            except Exception as e:  # noqa: BLE001 - one bad inference must not stop the node
-                self.errors += 1
-                if not isinstance(e, VlaAccelError) and type(e).__name__ not in self._tracebacks:
-                    self._tracebacks.add(type(e).__name__)  # a bug, not bad input: show where, once per type
-                    self.get_logger().error(traceback.format_exc())
-                self.drops.drop("inference_error", f"{type(e).__name__}: {e}")
-                continue
-            if served is not None:
-                c = served.chunk
-                self._chunk_pub.publish(chunk_to_msg(c, request_id=served.request_id, latency_ms=served.latency_ms))
-                self._stats_pub.publish(
-                    stats_to_msg(c, motion_mode=served.motion_mode, resets_total=w.resets_total, reset_reason=served.reset_reason)
-                )
+        try:
+            self.worker.run(self.params.take_pending, self._publish, lambda: self.get_clock().now().nanoseconds)
+        except BaseException as e:  # noqa: BLE001 - the loop survives every Exception; anything else ends it: say so
+            self.failure = f"the inference worker stopped: {type(e).__name__}: {e}"
+            self.get_logger().error(self.failure)
+
+    def _publish(self, served: Served) -> None:
+        c = served.chunk
+        self._chunk_pub.publish(chunk_to_msg(c, request_id=served.request_id, latency_ms=served.latency_ms))
+        self._stats_pub.publish(
+            stats_to_msg(c, motion_mode=served.motion_mode, resets_total=self.worker.resets_total, reset_reason=served.reset_reason)
+        )
 
     def _load(self) -> None:
         from vla_accel_ros.models.factory import load_for_robot  # noqa: PLC0415 - torch stays off the node's start
@@ -165,8 +187,11 @@ class PolicyNode(Node):
         cfg = self.worker.cfg
         t0 = time.perf_counter()
         self.get_logger().info(f"loading {cfg.bundle} ...")
-        policy = load_for_robot(cfg, self.worker.instruction_text())
+        policy = load_for_robot(cfg)  # warmed up on the bundle's instruction: the topic's is checked next
         self.policy = self.worker.policy = policy
+        why = self.worker.recheck_instruction()
+        if why:
+            self.get_logger().error(f"the instruction from the topic is refused by the model and forgotten: {why}")
         self.ready = True
         self._ready_pub.publish(Bool(data=True))
         s = policy.spec
@@ -177,19 +202,28 @@ class PolicyNode(Node):
 
     # -- diagnostics --------------------------------------------------------------------------
     def _publish_diagnostics(self) -> None:
+        w = self.worker
+        running = w.running_s()
         if self.failure:
             level, message = ERROR, f"not running: {self.failure}"
+        elif not self._thread.is_alive() and not w.stopped:
+            level, message = ERROR, "not running: the inference worker stopped"
         elif not self.ready:
             level, message = WARN, "loading the bundle"
-        elif self.errors:
-            level, message = WARN, f"{self.errors} inference errors"
+        elif running > w.cfg.slow_inference_s:
+            level, message = WARN, f"one inference has run for {running:.1f} s (> slow_inference_s {w.cfg.slow_inference_s:g})"
+        elif w.errors:
+            level, message = WARN, f"{w.errors} inference errors"
         else:
             level, message = OK, "ready"
-        w = self.worker
         values = {
             "ready": self.ready,
             "bundle": w.cfg.bundle,
             "trigger": w.cfg.trigger,
+            "worker alive": self._thread.is_alive(),
+            "s since last chunk": w.since_last_chunk_s(),
+            "inference running s": running,
+            "errors": w.errors,
             "chunks": w.chunks,
             "inference ms p50": w.infer_ms.get(50),
             "obs-to-chunk ms p50": w.latency.get(50),
@@ -199,20 +233,19 @@ class PolicyNode(Node):
             "requests overwritten": w.requests.overwritten,
             "requests served newer": w.superseded,
         }
-        values.update({f"dropped {k}": v for k, v in self.drops.counts.items()})
+        values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
         self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: policy", level, message, values)]))
 
     def reset_stats(self) -> None:
-        self.errors = 0
         self.worker.reset_counts()
-        self.drops.counts.clear()
+        self.drops.clear()
 
     def summary(self) -> dict[str, object]:
         w = self.worker
         return {
             "ready": self.ready,
             "chunks": w.chunks,
-            "errors": self.errors,
+            "errors": w.errors,
             "latency_p50_ms": w.latency.get(50),
             "infer_p50_ms": w.infer_ms.get(50),
         }

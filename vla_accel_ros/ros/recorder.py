@@ -54,6 +54,10 @@ class RecorderConfig(Config):
     reorder_window_s: float = param(
         0.5, doc="messages are written in timestamp order within this window", range=(0.0, 60.0), read_only=True
     )
+    reorder_max_messages: int = param(
+        10_000, doc="at most this many messages wait in the reorder window (then the oldest are written early)",
+        range=(1, 10_000_000), read_only=True,
+    )  # fmt: skip
     discovery_period_s: float = param(0.5, doc="how often the graph is searched for topics not found yet", range=(0.01, 60.0), read_only=True)
     depth: int = param(100, doc="subscription queue depth per topic", range=(1, 100_000), read_only=True)
 
@@ -87,7 +91,7 @@ class RecorderNode(Node):
         self.writer = CdrBagWriter(cfg.out, storage=cfg.storage, compress=cfg.compress)
         self.writer.open()
         self._lock = threading.Lock()  # the writer and the buffer (callbacks vs close)
-        self._buffer = ReorderBuffer(int(cfg.reorder_window_s * 1e9))
+        self._buffer = ReorderBuffer(int(cfg.reorder_window_s * 1e9), cfg.reorder_max_messages)
         self._closed = False
         self.counts: Counter[str] = Counter()
         self.types: dict[str, str] = {}  # topic -> msgtype, once subscribed

@@ -115,9 +115,15 @@ class CacheConfig(Config):
     def check_layers(self, num_layers: int) -> None:
         """Checks that need the model's depth; raises ConfigError naming the field."""
         if self.relevance_layer >= num_layers:
-            raise ConfigError(f"CacheConfig.relevance_layer={self.relevance_layer} but the model has {num_layers} layers")
+            raise ConfigError(
+                f"CacheConfig.relevance_layer={self.relevance_layer} is out of range [-1, {num_layers - 1}] "
+                f"for this model ({num_layers} decoder layers)"
+            )
         if self.reuse_layers and self.reuse_layers[-1] >= num_layers:
-            raise ConfigError(f"CacheConfig.reuse_layers={list(self.reuse_layers)} but the model has {num_layers} layers")
+            raise ConfigError(
+                f"CacheConfig.reuse_layers={list(self.reuse_layers)}: each must be in [0, {num_layers - 1}] "
+                f"for this model ({num_layers} decoder layers)"
+            )
 
     def tap_layer(self, num_layers: int) -> int:
         return num_layers // 2 if self.relevance_layer < 0 else self.relevance_layer

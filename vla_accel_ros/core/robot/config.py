@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.robot.images import MAX_PIXELS, MAX_SIDE
 from vla_accel_ros.core.robot.topics import JOINT_STATE_TOPICS, image_topic
 from vla_accel_ros.core.scheduling.config import SchedulerConfig
 
@@ -103,6 +104,15 @@ def _max_skew_ms() -> float:
     return param(40.0, doc="the frames of one observation must lie within this span", range=(0.0, 60_000.0))
 
 
+def _max_future_ms() -> float:
+    return param(
+        500.0,
+        doc="a stamp more than this ahead of the node's clock is dropped and counted (a wrong clock must not date "
+        "observations, chunks or joint states in the future)",
+        range=(0.0, 60_000.0),
+    )
+
+
 def _max_state_age_ms() -> float:
     return param(
         500.0, doc="joint states older than this at observation time are not used (no inference)", range=(1.0, 600_000.0)
@@ -123,6 +133,7 @@ class CameraConfig(Config):
     )  # fmt: skip
     max_age_ms: float = _max_age_ms()
     max_skew_ms: float = _max_skew_ms()
+    max_future_ms: float = _max_future_ms()
     image_size: int = param(224, doc="square size frames are resized to (the bundle's image_size; 0: keep)", range=(0, 4096), read_only=True)
     observation_transport: str = param(
         "topic", doc="topic (vla_accel_ros/Observation) or shared (latest-only buffer, nodes in one process)",
@@ -132,6 +143,10 @@ class CameraConfig(Config):
     converter: str = param(
         "auto", doc="image conversion: cv_bridge, numpy, or auto (cv_bridge when installed)",
         choices=("auto", "cv_bridge", "numpy"), read_only=True,
+    )  # fmt: skip
+    max_pixels: int = param(
+        MAX_PIXELS, doc="largest frame (width x height) decoded; compressed frames are measured from their header, "
+        "before decoding", range=(1, MAX_SIDE * MAX_SIDE),
     )  # fmt: skip
     warn_throttle_s: float = param(2.0, doc="at most one warning per reason per this many seconds", range=(0.0, 3600.0))
 
@@ -155,6 +170,7 @@ class SyncConfig(Config):
     cameras: tuple[str, ...] = param((), doc="cameras an observation carries, in order (empty: every camera there is)")
     max_age_ms: float = _max_age_ms()
     max_skew_ms: float = _max_skew_ms()
+    max_future_ms: float = _max_future_ms()
     max_state_age_ms: float = _max_state_age_ms()
     image_size: int = param(
         0, doc="square size frames are resized to (0: keep; the policy resizes with the same function)", range=(0, 4096)
@@ -169,6 +185,9 @@ class SyncConfig(Config):
 class PolicyNodeConfig(Config):
     bundle: str = param("", doc="path of the model bundle to load", read_only=True)
     instruction: str = param("", doc="instruction used until one arrives on the instruction topic ('' = the bundle's)")
+    max_instruction_chars: int = param(
+        1000, doc="a longer instruction (topic or parameter) is refused before it is tokenized", range=(1, 1_000_000)
+    )
     trigger: str = param(
         "request",
         doc="request: infer when the controller asks (ChunkRequest, carries RTC guidance); "
@@ -176,6 +195,7 @@ class PolicyNodeConfig(Config):
         choices=("request", "continuous"),
     )
     max_state_age_ms: float = _max_state_age_ms()
+    max_future_ms: float = _max_future_ms()
     request_wait_ms: float = param(
         100.0, doc="how long a request waits for the observation it names before using the newest", range=(0.0, 10_000.0)
     )
@@ -184,8 +204,23 @@ class PolicyNodeConfig(Config):
     )
     shared_channel: str = param("observations", doc="name of the shared buffer (observation_transport=shared)", read_only=True)
     warmup: bool = param(True, doc="run one inference on a blank observation before reporting ready", read_only=True)
+    worker_nice: int = param(
+        10, doc="niceness of the inference thread and the torch threads it starts (0: as the node); the "
+        "control loop, the camera and every node's DDS callbacks then come first on a busy CPU", range=(0, 19),
+        read_only=True,
+    )  # fmt: skip
+    slow_inference_s: float = param(
+        5.0, doc="/diagnostics warn while one inference has run longer than this", range=(0.01, 3600.0)
+    )
     robot: RobotConfig = param(RobotConfig(), doc="action / state layout")
     policy: PolicyConfig = param(PolicyConfig(), doc="the policy's run-time options")
+
+    def validate(self) -> None:
+        if len(self.instruction) > self.max_instruction_chars:
+            raise ConfigError(
+                f"PolicyNodeConfig.instruction has {len(self.instruction)} characters, more than "
+                f"max_instruction_chars={self.max_instruction_chars}"
+            )
 
 
 @dataclass(frozen=True)
@@ -201,8 +236,9 @@ class SafetyConfig(Config):
         "(LeRobot's max_relative_target; rad or normalized gripper units)", range=(1e-6, 1e6),
     )  # fmt: skip
     watchdog_periods: int = param(
-        50, doc="hold position after this many control periods without a fresh chunk", range=(1, 1_000_000)
-    )
+        50, doc="hold position after this many control periods of time without a fresh chunk (periods / "
+        "control_rate_hz seconds, measured on the clock, not counted in ticks)", range=(1, 1_000_000),
+    )  # fmt: skip
     start_enabled: bool = param(False, doc="command output enabled at start-up (else call ~/enable)")
     require_reference: bool = param(
         True,
@@ -278,6 +314,12 @@ class CommandConfig(Config):
 class ControllerConfig(Config):
     request_chunks: bool = param(True, doc="send ChunkRequests (with RTC guidance) when the scheduler wants a chunk")
     diagnostics_period_s: float = param(1.0, doc="period of /diagnostics", range=(0.05, 3600.0))
+    max_future_ms: float = _max_future_ms()
+    realtime_priority: int = param(
+        0, doc="SCHED_FIFO priority (1-99) of the control loop's threads, so nothing else on the machine delays a "
+        "tick (needs CAP_SYS_NICE or an rtprio limit; refused with a warning otherwise); 0: the normal scheduler",
+        range=(0, 99), read_only=True,
+    )  # fmt: skip
     stale_chunks: str = param(
         "drop",
         doc="a chunk whose every action is already past (e.g. a 1-action chunk from an autoregressive policy "
@@ -297,13 +339,21 @@ class ControllerConfig(Config):
         for name, values in (("lower", s.lower), ("upper", s.upper)):
             if values and len(values) != n:
                 raise ConfigError(f"safety.{name} has {len(values)} values for {n} joints; give {n} or none")
-        if s.lower and s.upper and any(lo > hi for lo, hi in zip(s.lower, s.upper)):
-            raise ConfigError("safety.lower must not exceed safety.upper")
+        for i, (lo, hi) in enumerate(zip(s.lower, s.upper)):
+            if lo > hi:
+                raise ConfigError(
+                    f"safety.lower[{i}]={lo} exceeds safety.upper[{i}]={hi} ({self.robot.joint_names[i]}): "
+                    "each lower limit must be <= its upper limit"
+                )
         if len(s.max_step) not in (1, n):
             raise ConfigError(f"safety.max_step needs 1 or {n} values, got {len(s.max_step)}")
         arms = len(self.robot.arms)
         c = self.command
         if c.backend == "interbotix" and len(c.interbotix_namespaces) != arms:
-            raise ConfigError(f"command.interbotix_namespaces needs one namespace per arm ({arms})")
+            raise ConfigError(
+                f"command.interbotix_namespaces={list(c.interbotix_namespaces)} needs one namespace per arm ({arms})"
+            )
         if c.backend in ("ee_pose", "ee_twist") and (len(c.ee_topics) != arms or len(c.ee_frame_ids) != arms):
-            raise ConfigError(f"command.ee_topics and ee_frame_ids need one entry per arm ({arms})")
+            raise ConfigError(
+                f"command.ee_topics={list(c.ee_topics)} and ee_frame_ids={list(c.ee_frame_ids)} need one entry per arm ({arms})"
+            )

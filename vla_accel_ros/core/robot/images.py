@@ -3,8 +3,10 @@
 :func:`decode_raw` reads the fields of a ``sensor_msgs/Image`` (encoding, height, width, step,
 is_bigendian, data); it honours row padding (``step`` > width * pixel size) and the byte order
 of 16-bit encodings. :func:`decode_compressed` decodes a ``sensor_msgs/CompressedImage``
-payload with OpenCV when it is installed, else with Pillow. Anything that cannot be a valid
-frame raises :class:`ImageError` with a short ``reason`` the camera node counts and logs.
+payload with OpenCV when it is installed, else with Pillow, after reading the size from the
+header: a frame of more than ``max_pixels`` is refused before a byte is decoded (a small PNG
+can claim 30000 x 30000 pixels, 2.7 GB once decoded). Anything that cannot be a valid frame
+raises :class:`ImageError` with a short ``reason`` the camera node counts and logs.
 
 :func:`resize_rgb` is the one resize of the package (Pillow, no torch): the camera node, the
 bag reader and the policies' preprocessing all call it, so a frame reaches the model with the
@@ -59,9 +61,20 @@ ENCODINGS: dict[str, _Encoding] = {
 }
 
 MAX_SIDE = 16384  # larger frames are a corrupt header, not a camera
+MAX_PIXELS = 4096 * 4096  # default bound on width x height of a decoded frame (48 MiB as RGB)
 
 
-def decode_raw(encoding: str, height: int, width: int, step: int, is_bigendian: bool, data) -> np.ndarray:
+def check_size(width: int, height: int, max_pixels: int = MAX_PIXELS) -> None:
+    """Raise :class:`ImageError` unless a ``width`` x ``height`` frame may be decoded."""
+    if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
+        raise ImageError("bad_size", f"{width}x{height} is not a valid frame size")
+    if width * height > max_pixels:
+        raise ImageError("too_large", f"{width}x{height} = {width * height} pixels > max_pixels {max_pixels}")
+
+
+def decode_raw(
+    encoding: str, height: int, width: int, step: int, is_bigendian: bool, data, max_pixels: int = MAX_PIXELS
+) -> np.ndarray:
     """``sensor_msgs/Image`` fields -> RGB uint8 [height, width, 3] (a fresh array).
 
     ``data`` is anything exposing the buffer protocol (``bytes``, ``array.array``, NumPy).
@@ -70,8 +83,7 @@ def decode_raw(encoding: str, height: int, width: int, step: int, is_bigendian: 
     enc = ENCODINGS.get(encoding)
     if enc is None:
         raise ImageError("unknown_encoding", f"encoding {encoding!r} is not one of {', '.join(ENCODINGS)}")
-    if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
-        raise ImageError("bad_size", f"{width}x{height} is not a valid frame size")
+    check_size(width, height, max_pixels)
     if enc.order in ("uyvy", "yuyv") and width % 2:
         raise ImageError("bad_size", f"{encoding} needs an even width, got {width}")
     row = width * enc.channels * enc.depth  # bytes of pixel data per row
@@ -123,13 +135,32 @@ def _yuv422_to_rgb(px: np.ndarray, order: str) -> np.ndarray:
     return np.clip(np.stack([r, g, b], axis=-1), 0, 255).round().astype(np.uint8)
 
 
-def decode_compressed(fmt: str, data) -> np.ndarray:
-    """A ``sensor_msgs/CompressedImage`` payload (JPEG, PNG, ...) -> RGB uint8 [H, W, 3]."""
+def compressed_payload(fmt: str, data, max_pixels: int = MAX_PIXELS) -> bytes:
+    """The bytes of a ``sensor_msgs/CompressedImage`` once its header says it may be decoded:
+    a colour format Pillow can read the size of, at most ``max_pixels``. Only the header is read
+    (Pillow opens images lazily), so a frame that is refused costs no decoding memory."""
     raw = bytes(memoryview(data).cast("B"))
     if not raw:
         raise ImageError("empty", f"compressed frame ({fmt or 'no format'}) carries no data")
     if "compresseddepth" in fmt.lower().replace(" ", ""):
         raise ImageError("unknown_encoding", f"format {fmt!r} is a depth image, not a colour frame")
+    from PIL import Image  # noqa: PLC0415 - a core dependency, loaded on the first compressed frame
+
+    try:
+        with Image.open(io.BytesIO(raw)) as im:
+            width, height = im.size
+    except Image.DecompressionBombError as e:  # Pillow's own bound (~179 M pixels), met first
+        raise ImageError("too_large", str(e)) from e
+    except (OSError, ValueError) as e:
+        raise ImageError("decode_failed", f"no image header in a {len(raw)}-byte {fmt or 'frame'}: {e}") from e
+    check_size(width, height, max_pixels)
+    return raw
+
+
+def decode_compressed(fmt: str, data, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """A ``sensor_msgs/CompressedImage`` payload (JPEG, PNG, ...) -> RGB uint8 [H, W, 3], refused
+    by its header when larger than ``max_pixels`` (:func:`compressed_payload`)."""
+    raw = compressed_payload(fmt, data, max_pixels)
     try:
         import cv2  # noqa: PLC0415 - optional
     except ImportError:
@@ -139,10 +170,8 @@ def decode_compressed(fmt: str, data) -> np.ndarray:
         if img is None:
             raise ImageError("decode_failed", f"OpenCV could not decode a {len(raw)}-byte {fmt or 'frame'}")
         return np.ascontiguousarray(img[..., ::-1])
-    try:
-        from PIL import Image  # noqa: PLC0415 - optional
-    except ImportError as e:
-        raise ImageError("no_decoder", "CompressedImage needs OpenCV (cv2) or Pillow; install one") from e
+    from PIL import Image  # noqa: PLC0415
+
     try:
         with Image.open(io.BytesIO(raw)) as im:
             return np.asarray(im.convert("RGB"), dtype=np.uint8).copy()

@@ -1,11 +1,14 @@
 """The policy node's worker without ROS: which observation to infer on, the state and the
 resets that go with it, one inference, and its statistics.
 
-:class:`InferenceWorker` is driven from one worker thread (``apply`` / ``next_job`` /
-``infer``), never inside a callback; the graph's inputs reach it from any thread through
+:class:`InferenceWorker` is driven from one worker thread (:meth:`~InferenceWorker.run`: ``apply``
+/ ``next_job`` / ``infer`` in a loop that no single failure ends), never inside a callback; its
+liveness (time since the last chunk, how long the current inference runs) is read by the node's
+diagnostics. The graph's inputs reach it from any thread through
 ``set_instruction``, ``reset_episode``, ``set_motion_mode``, ``requests`` (latest-only) and
 the observation channel. It talks to the policy only through its public interface
-(``infer``, ``reset``, ``configure``, ``set_motion_mode``, ``check_config``).
+(``infer``, ``reset``, ``configure``, ``set_motion_mode``, ``check_config``, and ``text_ids`` to
+ask whether an instruction fits).
 
 * ``trigger: request``: the controller names an observation by the stamp the node announced;
   the request waits ``request_wait_ms`` for it, and when the history no longer holds it the
@@ -17,11 +20,14 @@ the observation channel. It talks to the policy only through its public interfac
 from __future__ import annotations
 
 import threading
+import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vla_accel_ros.core.config import changed_fields
-from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.config import changed_fields, flatten
+from vla_accel_ros.core.errors import ConfigError, ObservationError, VlaAccelError
+from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig
 from vla_accel_ros.core.robot.loop_stats import Percentiles
 from vla_accel_ros.core.robot.motion import COARSE, MODE_NAMES
@@ -69,11 +75,14 @@ class InferenceWorker:
         *,
         drop: Callable[[str, str], None],
         log: Callable[[str, str], None],
+        restore: Callable[[PolicyConfig], None] = lambda _cfg: None,
     ) -> None:
-        """``drop(reason, detail)``: an input not used; ``log(level, text)``: info | error."""
+        """``drop(reason, detail)``: an input not used; ``log(level, text)``: info | error;
+        ``restore(options)``: new policy options could not be applied and these still run (the
+        node sets its parameters back to them)."""
         self.cfg = config  # what the worker runs with (swapped between inferences)
         self.channel = channel
-        self._drop, self._log = drop, log
+        self._drop, self._log, self._restore = drop, log, restore
         self.lock = threading.Lock()  # instruction, episode, pending resets, the state gate
         self.state = StateGate(config.robot, max_state_age_ns=int(config.max_state_age_ms * 1e6))  # the rule's state half
         self.requests: LatestSlot[Request] = LatestSlot()
@@ -87,13 +96,52 @@ class InferenceWorker:
         self.motion_mode = COARSE
         self.chunks = self.superseded = self.resets_total = 0  # superseded: served with a newer observation
         self.latency, self.infer_ms = Percentiles(), Percentiles()
+        # Liveness, on the monotonic clock (sim time may stand still during an inference).
+        self.errors = 0  # loop steps that raised (counted, logged; the loop goes on)
+        self.started_at = time.monotonic()
+        self.last_chunk_at: float | None = None
+        self.busy_since: float | None = None  # an inference is running since then
+        self._tracebacks: set[str] = set()
 
     # -- inputs, from any thread -------------------------------------------------------------------
-    def set_instruction(self, text: str) -> None:
+    def set_instruction(self, text: str) -> str:
+        """A new instruction from the topic; returns '' when it is taken, else why not (the
+        previous one stays): longer than ``max_instruction_chars``, or, once the policy is
+        loaded, more tokens than the model takes."""
+        why = self.refuse_instruction(text)
+        if why:
+            return why
         with self.lock:
             if text != self._instruction:
                 self._instruction = text
                 self._pending_reset = self._pending_reset or "instruction"
+        return ""
+
+    def refuse_instruction(self, text: str) -> str:
+        """Why ``text`` cannot be the instruction ('' when it can)."""
+        limit = self.cfg.max_instruction_chars
+        if len(text) > limit:
+            return f"it has {len(text)} characters > max_instruction_chars {limit}"
+        policy = self.policy
+        if policy is not None:
+            try:
+                policy.text_ids(text)
+            except ObservationError as e:
+                return str(e)
+        return ""
+
+    def recheck_instruction(self) -> str:
+        """Once the policy is loaded: the topic's instruction, taken while only its length could
+        be checked, is checked by the model; refused, it is forgotten (the parameter's or the
+        bundle's serves). Returns why ('' when it stays)."""
+        with self.lock:
+            text = self._instruction
+        why = self.refuse_instruction(text) if text else ""
+        if why:
+            with self.lock:
+                if self._instruction == text:
+                    self._instruction = ""
+        return why
 
     def reset_episode(self) -> int:
         """A new episode: the policy resets before the next inference. Returns its index."""
@@ -119,18 +167,59 @@ class InferenceWorker:
         return self._instruction or self.cfg.instruction or ""
 
     def reset_counts(self) -> None:
-        self.chunks = 0
+        self.chunks = self.errors = 0
         self.latency, self.infer_ms = Percentiles(), Percentiles()
+
+    def since_last_chunk_s(self) -> float:
+        """Seconds since the last chunk (since the worker started when there was none)."""
+        return time.monotonic() - (self.last_chunk_at if self.last_chunk_at is not None else self.started_at)
+
+    def running_s(self) -> float:
+        """How long the inference in progress has run (0 when none is)."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self, take_pending: Callable[[], PolicyNodeConfig | None], publish: Callable[[Served], None], now_ns: Callable[[], int]) -> None:
+        """The worker thread, until :meth:`stop`: apply what was set, take the next job, infer,
+        hand the result to ``publish``. A step that raises (a planner that fails to build, a
+        bug, bad input) is counted in ``errors`` and logged (with its traceback once per type
+        when it is not one of the package's own errors); the loop goes on."""
+        while not self.stopped:
+            try:
+                self.apply(take_pending())
+                job = self.next_job()
+                if job is None or self.stopped:
+                    continue
+                self.busy_since = time.monotonic()
+                served = self.infer(job, now_ns)
+                self.busy_since = None
+                if served is not None:
+                    publish(served)
+            except Exception as e:  # noqa: BLE001 - one bad step must not stop the worker
+                self.busy_since = None
+                self.errors += 1
+                self._report(e)
+
+    def _report(self, e: Exception) -> None:
+        if not isinstance(e, VlaAccelError) and type(e).__name__ not in self._tracebacks:
+            self._tracebacks.add(type(e).__name__)  # a bug, not bad input: show where, once per type
+            self._log("error", traceback.format_exc())
+        self._drop("inference_error", f"{type(e).__name__}: {e}")
 
     # -- the worker thread ----------------------------------------------------------------------
     def apply(self, new: PolicyNodeConfig | None) -> None:
-        """Between two inferences: swap in an accepted config, run pending resets."""
+        """Between two inferences: swap in an accepted config, run pending resets. Policy
+        options the policy refuses (or whose planner fails to build) are not applied: the
+        running ones stay, in the worker's config too, and ``restore`` is told."""
         if new is not None:
-            old, self.cfg = self.cfg, new
+            old = self.cfg
+            if self.policy is not None and new.policy != old.policy and not self._configure(old, new):
+                new = new.replace(policy=old.policy)
+                self._restore(old.policy)
+            self.cfg = new
             with self.lock:
                 self.state.set_limit(max_state_age_ns=int(new.max_state_age_ms * 1e6))
-            if self.policy is not None and new.policy != old.policy:
-                self._configure(old, new)
             if new.instruction != old.instruction and not self._instruction:
                 with self.lock:
                     self._pending_reset = self._pending_reset or "instruction"
@@ -140,15 +229,18 @@ class InferenceWorker:
             self.policy.reset()
             self._reset_reason = reason
 
-    def _configure(self, old: PolicyNodeConfig, new: PolicyNodeConfig) -> None:
+    def _configure(self, old: PolicyNodeConfig, new: PolicyNodeConfig) -> bool:
+        flat = flatten(new.policy)
+        changed = ", ".join(f"policy.{k}={flat[k]!r}" for k in changed_fields(old.policy, new.policy))
         try:
             if self.policy.configure(new.policy):  # a fresh planner: its caches start empty
                 self._reset_reason = "config"
-        except ConfigError as e:  # checked when set, or refused by the parity gate: the old options stay
-            self.cfg = self.cfg.replace(policy=old.policy)
-            self._log("error", f"policy options not applied: {e}")
-            return
-        self._log("info", f"applied policy.{', policy.'.join(changed_fields(old.policy, new.policy))}")
+        except Exception as e:  # noqa: BLE001 - checked when set; whatever still fails, the old options run on
+            detail = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            self._log("error", f"{changed} not applied, the running options stay: {detail}")
+            return False
+        self._log("info", f"applied {changed}")
+        return True
 
     def next_job(self, timeout_s: float = 0.1) -> Job | None:
         """The observation to infer on next, or None (nothing within ``timeout_s``, or stopped)."""
@@ -205,6 +297,7 @@ class InferenceWorker:
         reset, self._reset_reason = self._reset_reason or str(chunk.stats.get("reset_reason", "")), ""
         self.resets_total += bool(reset)
         self.chunks += 1
+        self.last_chunk_at = time.monotonic()
         self.latency.add(latency_ms)
         self.infer_ms.add(float(chunk.timings_ms.get("total", float("nan"))))
         return Served(chunk, job.request_id, latency_ms, mode, reset)

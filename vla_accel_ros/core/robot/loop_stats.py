@@ -15,6 +15,8 @@ class LoopSummary:
     jitter_std_ms: float  # std of the period
     jitter_max_ms: float  # max |period - nominal|
     ticks: int  # ticks since start
+    jitter_p50_ms: float = 0.0  # percentiles of |period - nominal| over the window
+    jitter_p99_ms: float = 0.0
 
 
 class LoopStats:
@@ -37,12 +39,16 @@ class LoopStats:
             return LoopSummary(0.0, 0.0, 0.0, 0.0, self.ticks)
         p = np.fromiter(self._periods, float)
         mean = float(p.mean())
+        jitter = np.abs(p - self.nominal_ms)
+        p50, p99 = np.percentile(jitter, [50, 99])
         return LoopSummary(
             rate_hz=1e3 / mean if mean > 0 else 0.0,
             period_mean_ms=mean,
             jitter_std_ms=float(p.std()),
-            jitter_max_ms=float(np.max(np.abs(p - self.nominal_ms))),
+            jitter_max_ms=float(jitter.max()),
             ticks=self.ticks,
+            jitter_p50_ms=float(p50),
+            jitter_p99_ms=float(p99),
         )
 
 

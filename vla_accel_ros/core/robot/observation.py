@@ -2,7 +2,9 @@
 
 An observation is made when every camera has delivered a frame not used before; it is stamped
 with the OLDEST frame's stamp (actions are at least as old as their oldest pixel); it is
-rejected when its frames are too skewed (``max_skew``) or too old (``max_age``); the state
+rejected when its frames are too skewed (``max_skew``) or too old (``max_age``); a frame
+stamped more than ``max_future`` ahead of the clock is never kept (it would date observations,
+and so chunks and requests, in the future and hold back every later one); the state
 attached is the joint-state vector, rejected when it is older than ``max_state_age`` at the
 observation's stamp. Two halves, so the graph can split them:
 
@@ -59,25 +61,38 @@ class ObservationAssembler:
     * the frames' stamps lie within ``max_skew_ns`` of one another.
 
     When a set is complete but too old or too skewed, :meth:`assemble` returns None and
-    :attr:`last_reject` says why; newer frames replace the offending ones as they arrive.
-    ``image_size`` (0: keep) is the square size :meth:`prepare` resizes frames to.
+    :attr:`last_reject` says why; newer frames replace the offending ones as they arrive. A
+    frame stamped more than ``max_future_ns`` ahead of ``now`` is not kept at all
+    (:meth:`too_new`; counted as ``future``). ``image_size`` (0: keep) is the square size
+    :meth:`prepare` resizes frames to.
     """
 
-    def __init__(self, cameras: Sequence[str], *, max_age_ns: int, max_skew_ns: int, image_size: int = 0) -> None:
+    def __init__(
+        self, cameras: Sequence[str], *, max_age_ns: int, max_skew_ns: int, max_future_ns: int, image_size: int = 0
+    ) -> None:
         if not cameras or len(set(cameras)) != len(cameras):
             raise ValueError(f"cameras must be unique and non-empty, got {list(cameras)}")
         self.cameras = tuple(cameras)
         self.image_size = int(image_size)
-        self.max_age_ns, self.max_skew_ns = int(max_age_ns), int(max_skew_ns)
+        self.set_limits(max_age_ns=max_age_ns, max_skew_ns=max_skew_ns, max_future_ns=max_future_ns)
         self._latest: dict[str, Frame] = {}
         self._used: dict[str, int] = {}  # camera -> seq of the frame in the last observation
         self._seq = 0
         self._last_now: int | None = None
         self.last_reject = ""
-        self.rejects: dict[str, int] = {"stale": 0, "skew": 0}
+        self.rejects: dict[str, int] = {"stale": 0, "skew": 0, "future": 0}
 
-    def set_limits(self, *, max_age_ns: int, max_skew_ns: int) -> None:
-        self.max_age_ns, self.max_skew_ns = int(max_age_ns), int(max_skew_ns)
+    def set_limits(self, *, max_age_ns: int, max_skew_ns: int, max_future_ns: int) -> None:
+        self.max_age_ns, self.max_skew_ns, self.max_future_ns = int(max_age_ns), int(max_skew_ns), int(max_future_ns)
+
+    def too_new(self, stamp_ns: int, now_ns: int) -> str:
+        """Why a frame stamped ``stamp_ns`` is refused at ``now_ns`` ('' when it is not): it
+        lies more than ``max_future_ns`` ahead (a camera with a wrong clock). Callers may ask
+        before decoding; :meth:`add` asks again."""
+        ahead = int(stamp_ns) - int(now_ns)
+        if ahead > self.max_future_ns:
+            return f"stamped {ahead / 1e6:.1f} ms ahead of the clock > max future {self.max_future_ns / 1e6:g} ms"
+        return ""
 
     def prepare(self, image: np.ndarray) -> np.ndarray:
         """A decoded frame at the model's size (touches no state: callers may run it in
@@ -92,6 +107,11 @@ class ObservationAssembler:
         if self._last_now is not None and now_ns < self._last_now:
             self.reset()
         self._last_now = int(now_ns)
+        why = self.too_new(stamp_ns, now_ns)
+        if why:  # never kept: it would stamp, and so hold back, every later observation
+            self.rejects["future"] += 1
+            self.last_reject = why
+            return None
         self.put(camera, image, stamp_ns)
         return self.assemble(now_ns)
 
@@ -163,6 +183,10 @@ class StateGate:
         st = self.assembler.state()
         if st is None:
             missing = self.missing()
+            bad = [n for n in self.assembler.nonfinite() if n in missing]
+            if bad:
+                more = " ..." if len(bad) > 4 else ""
+                return self._reject("no_state", f"joint states for {', '.join(bad[:4])}{more} are not finite (NaN / inf)")
             more = " ..." if len(missing) > 4 else ""
             return self._reject("no_state", f"no joint states yet for {', '.join(missing[:4])}{more}")
         state, state_stamp = st
@@ -190,14 +214,15 @@ class ObservationBuilder:
     def __init__(self, cameras: Sequence[str], config: SyncConfig | None = None, robot: RobotConfig | None = None) -> None:
         c = config or SyncConfig()
         self.frames = ObservationAssembler(
-            cameras, max_age_ns=int(c.max_age_ms * 1e6), max_skew_ns=int(c.max_skew_ms * 1e6), image_size=c.image_size
-        )
+            cameras, max_age_ns=int(c.max_age_ms * 1e6), max_skew_ns=int(c.max_skew_ms * 1e6),
+            max_future_ns=int(c.max_future_ms * 1e6), image_size=c.image_size,
+        )  # fmt: skip
         self.state = None if robot is None else StateGate(robot, max_state_age_ns=int(c.max_state_age_ms * 1e6))
         self.episode, self.instruction = 0, ""
 
     @property
     def rejects(self) -> dict[str, int]:
-        """Observations not made, by reason (frames: stale, skew; state: no_state, stale_state)."""
+        """Observations not made, by reason (frames: stale, skew, future; state: no_state, stale_state)."""
         return {**self.frames.rejects, **(self.state.rejects if self.state is not None else {})}
 
     def begin_episode(self, episode: int) -> None:

@@ -3,7 +3,7 @@
 Every command the controller publishes passes :meth:`SafetyFilter.filter`: it is clipped to
 the joint limits, then moved at most ``max_step`` from the reference (the previous command, or
 the measured position right after start, an e-stop or a disable; LeRobot's
-``max_relative_target``). :class:`Watchdog` counts control periods since the last fresh chunk.
+``max_relative_target``). :class:`Watchdog` measures the time since the last fresh chunk.
 """
 
 from __future__ import annotations
@@ -114,29 +114,33 @@ class SafetyFilter:
 
 
 class Watchdog:
-    """Trips when ``periods`` control ticks pass without a fresh chunk; re-arms on the next.
-    Not armed before the first chunk (waiting for the policy to start is not a failure)."""
+    """Trips when ``timeout_ns`` of (ROS) time pass without a fresh chunk; re-arms on the next.
+    Time, not ticks: a loop that runs below its rate must not hold late. Not armed before the
+    first chunk (waiting for the policy to start is not a failure)."""
 
-    def __init__(self, periods: int) -> None:
-        self.periods = int(periods)
-        self._last_tick: int | None = None
+    def __init__(self, timeout_ns: int) -> None:
+        self.timeout_ns = int(timeout_ns)
+        self._last_ns: int | None = None
         self.tripped = False
         self.trips = 0
 
-    def chunk(self, tick: int) -> None:
-        self._last_tick = int(tick)
+    def chunk(self, now_ns: int) -> None:
+        self._last_ns = int(now_ns)
         self.tripped = False
 
-    def check(self, tick: int) -> bool:
-        """True exactly on the tick it trips."""
-        if self._last_tick is None or self.tripped:
+    def since_chunk_ns(self, now_ns: int) -> int | None:
+        return None if self._last_ns is None else int(now_ns) - self._last_ns
+
+    def check(self, now_ns: int) -> bool:
+        """True exactly on the call it trips."""
+        if self._last_ns is None or self.tripped:
             return False
-        if tick - self._last_tick > self.periods:
+        if int(now_ns) - self._last_ns > self.timeout_ns:
             self.tripped = True
             self.trips += 1
             return True
         return False
 
     def reset(self) -> None:
-        self._last_tick = None
+        self._last_ns = None
         self.tripped = False

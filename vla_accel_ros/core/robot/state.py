@@ -80,6 +80,7 @@ class StateAssembler:
             self._maps.append(m)
         self._values = np.full(self.dim, np.nan, np.float64)
         self._stamps = np.full(self.dim, -1, np.int64)
+        self._nonfinite = np.zeros(self.dim, bool)  # the joint's latest reading was NaN / inf
 
     def update(self, topic_index: int, names: Sequence[str], positions: Sequence[float], stamp_ns: int) -> int:
         """Record one JointState message from topic ``topic_index``; returns joints matched."""
@@ -91,15 +92,21 @@ class StateAssembler:
                 continue
             i, is_gripper = entry
             v = float(value)
-            if not np.isfinite(v):
-                continue
+            self._nonfinite[i] = not np.isfinite(v)
+            if self._nonfinite[i]:
+                continue  # the last finite reading (if any) stays, and ages
             self._values[i] = self.gripper.state_value(v) if is_gripper else v
             self._stamps[i] = int(stamp_ns)
             hit += 1
         return hit
 
     def missing(self) -> list[str]:
+        """Joints with no finite reading yet."""
         return [n for n, s in zip(self.robot.joint_names, self._stamps) if s < 0]
+
+    def nonfinite(self) -> list[str]:
+        """Joints whose latest reading was NaN or inf."""
+        return [n for n, bad in zip(self.robot.joint_names, self._nonfinite) if bad]
 
     def state(self) -> tuple[np.ndarray, int] | None:
         """(state [D] float32, oldest stamp) once every joint has a reading, else None."""
@@ -110,6 +117,7 @@ class StateAssembler:
     def reset(self) -> None:
         self._values[:] = np.nan
         self._stamps[:] = -1
+        self._nonfinite[:] = False
 
 
 def state_to_joint_states(

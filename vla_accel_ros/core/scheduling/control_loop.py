@@ -5,28 +5,32 @@ Every :meth:`ControlLoop.tick`:
 
 1. a clock that jumped back (sim time restarted, a bag looped), or an enable / e-stop change,
    restarts the plan from the measured pose;
-2. the watchdog: ``safety.watchdog_periods`` ticks without a fresh chunk -> hold position
-   (the scheduler restarts from the last command and blends into the next chunk);
+2. the watchdog: ``safety.watchdog_periods`` control periods of time (periods x dt, on the
+   tick's clock, however many ticks ran meanwhile) without a fresh chunk -> hold position (the
+   scheduler restarts from the last command and blends into the next chunk);
 3. ``scheduler.step`` -> safety filter (limits, per-step clamp) -> the command to send, unless
    output is disabled or the e-stop is active;
 4. motion estimate (ViperX FK) of the command: coarse | fine with hysteresis; entering fine
    asks for a new chunk at once;
 5. the chunks that arrived are merged (after the step, so the scheduler's grid is anchored on
    the ticks); a chunk that is all past executes its last action late only with
-   ``stale_chunks: execute_last``;
+   ``stale_chunks: execute_last``; a chunk stamped more than ``max_future_ms`` ahead of the
+   clock is dropped (it would plan the arm's motion from then on and stop all requests);
 6. when the scheduler wants a chunk and the policy announced an observation not asked for
-   yet: an inference request for it (with Real-Time Chunking guidance when ``scheduler.rtc``).
+   yet: an inference request for it (with Real-Time Chunking guidance when ``scheduler.rtc``);
+   an observation stamped in the future the same way is never asked for.
 
-The node converts messages, calls :meth:`tick` from its timer and publishes the
-:class:`TickOutput`. Enable and e-stop come from other threads (a service, a latched topic):
-:meth:`set_enabled` / :meth:`set_estop` are thread-safe and take effect at the next tick.
+The node converts messages, calls :meth:`tick` from its timer and sends the command through
+:meth:`send`. Enable and e-stop come from other threads (a service, a latched topic):
+:meth:`set_enabled` / :meth:`set_estop` are thread-safe and take effect at once: a command a
+tick computed before they arrived is withheld by :meth:`send` (counted in ``withheld``).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -54,18 +58,20 @@ class ControlLoop:
         self.config = config
         self.scheduler = ChunkScheduler(config.scheduler)
         self.safety = SafetyFilter(config.robot, config.safety)
-        self.watchdog = Watchdog(config.safety.watchdog_periods)
+        self.watchdog = Watchdog(self._watchdog_ns(config))
         self.motion = MotionEstimator(config.robot, config.motion, config.scheduler.dt)
         self._lock = threading.Lock()  # the safety gating, shared with enable / e-stop callers
         self._restart = False  # enable / e-stop changed: restart the plan from the measured pose
         self.tick_count = 0
         self.commands = self.chunks_in = self.requests_out = self.late_actions = 0
+        self.withheld = 0  # commands computed, then stopped by an e-stop / disable before they left
         self.got_chunk = False  # waiting for the very first chunk is start-up, not holding
         self.holding_ticks = self.steps = 0
         self._request_id = 0
         self._last_requested = -1  # newest observation stamp asked for
         self._force_request = False
         self._last_now: int | None = None
+        self._refused_stamp = -1  # the future observation stamp dropped last (counted once)
 
     # -- from other threads --------------------------------------------------------------------
     def set_estop(self, active: bool) -> bool:
@@ -82,6 +88,20 @@ class ControlLoop:
             self._restart = self._restart or ok
         return ok, message
 
+    def send(self, out: TickOutput, publish: Callable[[np.ndarray], None]) -> bool:
+        """Publish ``out.command`` unless output was stopped after the tick computed it. Holds
+        the gating lock while publishing: an e-stop or disable that arrives now waits for this
+        one publish, and once :meth:`set_estop` returns no command leaves."""
+        if out.command is None:
+            return False
+        with self._lock:
+            if not self.safety.output_allowed:
+                self.commands -= 1
+                self.withheld += 1
+                return False
+            publish(out.command)
+            return True
+
     def gating(self) -> tuple[bool, bool, int, int]:
         """(enabled, e-stop, commands limited, commands clamped), read consistently."""
         with self._lock:
@@ -95,8 +115,12 @@ class ControlLoop:
         self.scheduler.config = config.scheduler
         with self._lock:
             self.safety.set_config(config.safety)
-        self.watchdog.periods = config.safety.watchdog_periods
+        self.watchdog.timeout_ns = self._watchdog_ns(config)
         self.motion.set_config(config.motion)
+
+    @staticmethod
+    def _watchdog_ns(config: ControllerConfig) -> int:
+        return int(config.safety.watchdog_periods * config.scheduler.dt * 1e9)
 
     def holding_fraction(self) -> float:
         return self.holding_ticks / max(1, self.steps)
@@ -123,8 +147,11 @@ class ControlLoop:
         self._last_now = int(now_ns)
         if restart:
             self._restart_plan(measured)
-        if self.watchdog.check(self.tick_count):
-            out.warnings.append(f"watchdog: no fresh chunk for {self.watchdog.periods} periods; holding position")
+        if self.watchdog.check(now_ns):
+            out.warnings.append(
+                f"watchdog: no fresh chunk for {self.watchdog.timeout_ns / 1e6:.0f} ms "
+                f"({self.config.safety.watchdog_periods} periods); holding position"
+            )
             last = self.safety.last_command
             self.scheduler.reset(hold_action=last if last is not None else measured)
             self.motion.reset()
@@ -135,7 +162,11 @@ class ControlLoop:
             self.holding_ticks += bool(result.holding)
         action = result.action
         if action is not None and allowed and not self.safety.has_reference(measured):
-            out.drops.append(("no_reference", "no joint states yet: the first command could not be clamped; not commanding"))
+            out.drops.append((
+                "no_reference",
+                "no usable joint states yet (none arrived, or not finite: see dropped nonfinite_joint_state): "
+                "the first command could not be clamped; not commanding",
+            ))  # fmt: skip
         elif action is not None and allowed:
             with self._lock:
                 out.command = self.safety.filter(action, measured).command
@@ -160,8 +191,18 @@ class ControlLoop:
         self.motion.reset()
         self._last_requested = -1
 
+    def _ahead(self, stamp_ns: int, now_ns: int) -> str:
+        """Why ``stamp_ns`` is refused at ``now_ns`` for lying in the future ('' when it is not)."""
+        ahead = int(stamp_ns) - int(now_ns)
+        limit = self.config.max_future_ms
+        return f"stamped {ahead / 1e6:.1f} ms ahead of the clock > max_future_ms {limit:g}" if ahead > limit * 1e6 else ""
+
     def _add_chunk(self, out: TickOutput, chunk: ActionChunk, now_ns: int) -> None:
         cfg = self.config
+        why = self._ahead(chunk.stamp_ns, now_ns)
+        if why:
+            out.drops.append(("future_chunk", f"chunk {chunk.chunk_id} {why}"))
+            return
         try:
             if chunk.joint_names and tuple(chunk.joint_names) != tuple(cfg.robot.joint_names):
                 raise SchedulerError(f"chunk {chunk.chunk_id} joint_names {list(chunk.joint_names)} differ from robot.joint_names")
@@ -182,7 +223,7 @@ class ControlLoop:
             return
         self.chunks_in += 1
         self.got_chunk = True
-        self.watchdog.chunk(self.tick_count)
+        self.watchdog.chunk(now_ns)
 
     def _motion_step(self, out: TickOutput, cmd: np.ndarray) -> None:
         est = self.motion.update(cmd)
@@ -192,8 +233,15 @@ class ControlLoop:
             out.motion = est
 
     def _maybe_request(self, out: TickOutput, now_ns: int, obs_stamp_ns: int) -> None:
-        if obs_stamp_ns <= self._last_requested:
-            return  # nothing new to infer from (also: the policy has not announced anything yet)
+        if obs_stamp_ns < 0 or obs_stamp_ns == self._last_requested:
+            return  # nothing announced yet, or asked for already (a newer stamp, or any other, is new:
+            # a stamp a little ahead of the clock must not hold back the ones after it)
+        why = self._ahead(obs_stamp_ns, now_ns)
+        if why:  # asking for it would make every later (present) observation look old
+            if obs_stamp_ns != self._refused_stamp:
+                self._refused_stamp = obs_stamp_ns
+                out.drops.append(("future_observation", f"observation {why}"))
+            return
         forced = self._force_request and self.scheduler.in_flight is None
         if not (forced or self.scheduler.wants_inference(now_ns)):
             return
