@@ -198,3 +198,32 @@ def test_an_instruction_too_long_for_the_model_is_refused_and_the_previous_one_s
     assert w.set_instruction("put " * 20) == ""
     w.policy = policy
     assert "max_text_tokens" in w.recheck_instruction() and w.instruction_text() == ""
+
+
+def test_pipelined_trigger_streams_frames_and_publishes_each_chunk_when_complete(tiny_policies):
+    from vla_accel_ros.models.factory import sibling_policy
+
+    w = InferenceWorker(
+        PolicyNodeConfig(trigger="pipelined", pipeline_depth=4, request_wait_ms=0.0), ObservationChannel(history=4),
+        drop=lambda r, d: None, log=lambda lvl, t: None,
+    )  # fmt: skip
+    w.policy = sibling_policy(tiny_policies["ar"], PolicyConfig(parity_check=False))  # no state: any robot
+    rng = np.random.default_rng(0)
+    served, stamps = [], []
+    for i in range(8):
+        stamp = (1000 + 20 * i) * MS
+        w.channel.put(stamp, AssembledObservation({"cam_high": rng.integers(0, 255, (224, 224, 3), np.uint8)}, stamp, 0, 0, i))
+        job = w.next_job(0.0)
+        assert job.stamp_ns == stamp
+        out = w.infer(job, lambda: stamp)
+        assert isinstance(out, list)
+        served += out
+        stamps.append(stamp)
+    # depth 4: a frame's chunk comes out 3 frames later, stamped with its own observation
+    assert [s.chunk.stamp_ns for s in served] == stamps[:5]
+    assert all(s.chunk.stats["pipeline_depth"] == 4 and s.chunk.stats["staleness_calls"] == 3 for s in served)
+    assert served[0].latency_ms == 60.0  # observation 1000 ms -> published at 1060 ms
+    assert w.pipeline.in_flight == 3 and w.staleness_ms.count == 5
+    w.reset_episode()
+    w.apply(None)
+    assert w.pipeline.in_flight == 0  # an episode reset forgets the frames in flight

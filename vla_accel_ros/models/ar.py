@@ -134,6 +134,13 @@ class ArPolicy(PolicyBase):
             joint_names=self.spec.joint_names, timings_ms=timer.finish(), stats=stats,
         )  # fmt: skip
 
+    def pipeline(self, *, depth: int = 0, steps: int = 0):
+        """ActionFlow's pipelined decode over this policy's model (:class:`PipelinedAr`: its own
+        KV cache and a planner from this policy's options)."""
+        from vla_accel_ros.models.pipeline import PipelinedAr
+
+        return PipelinedAr(self, depth=depth, steps=steps)
+
     # -- training ---------------------------------------------------------------------------------
     def action_bins_of(self, actions: torch.Tensor) -> torch.Tensor:
         """Robot-unit actions [..., D] -> bin indices [..., D] (the inverse of the decoding)."""

@@ -200,6 +200,8 @@ def load_for_robot(cfg: PolicyNodeConfig, instruction: str = ""):
         )
     if spec.state_dim and spec.state_dim != cfg.robot.dim:
         raise VlaAccelError(f"the bundle expects a {spec.state_dim}-D state, the robot has {cfg.robot.dim} joints")
+    if cfg.trigger == "pipelined" and spec.family != "ar":
+        raise VlaAccelError(f"trigger=pipelined pipelines ar decoding; bundle {spec.name} is {spec.family}")
     if not cfg.policy.num_threads:
         # torch's default takes every core; the control loop, the camera callbacks and DDS
         # then wait behind inference (measured: 2 threads on 2 cores ran inference 10-30x

@@ -151,6 +151,9 @@ def stats_to_msg(chunk: ActionChunk, *, motion_mode: str, resets_total: int, res
         reset_reason=str(reset_reason or s.get("reset_reason", "")),
         cache_resets_total=int(resets_total),
         motion_mode=motion_mode,
+        pipeline_depth=int(s.get("pipeline_depth", 0)),
+        staleness_frames=int(s.get("staleness_calls", 0)),
+        staleness_ms=float(s.get("staleness_busy_ms", 0.0)),
     )
     msg.stage_names = list(timings)
     msg.stage_ms = [float(v) for v in timings.values()]

@@ -233,6 +233,9 @@ class PolicyNode(Node):
             "requests overwritten": w.requests.overwritten,
             "requests served newer": w.superseded,
         }
+        if w.cfg.trigger == "pipelined" and w.pipeline is not None:
+            values.update({"pipeline depth": w.pipeline.depth, "pipeline in flight": w.pipeline.in_flight,
+                           "staleness ms p50": w.staleness_ms.get(50)})  # fmt: skip
         values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
         self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: policy", level, message, values)]))
 

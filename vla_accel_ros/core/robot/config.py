@@ -191,9 +191,18 @@ class PolicyNodeConfig(Config):
     trigger: str = param(
         "request",
         doc="request: infer when the controller asks (ChunkRequest, carries RTC guidance); "
-        "continuous: infer back to back on the newest observation",
-        choices=("request", "continuous"),
+        "continuous: infer back to back on the newest observation; pipelined (ar bundles): stream the newest "
+        "observations through ActionFlow's pipelined decode, publishing each chunk when its decode completes",
+        choices=("request", "continuous", "pipelined"),
     )
+    pipeline_depth: int = param(
+        4, doc="pipelined: frames in flight (a chunk comes out depth - 1 frames after its observation)",
+        range=(1, 1024), read_only=True,
+    )  # fmt: skip
+    pipeline_steps: int = param(
+        0, doc="pipelined: decode steps per frame (0: what the depth needs, ceil(action tokens / depth))",
+        range=(0, 100_000), read_only=True,
+    )  # fmt: skip
     max_state_age_ms: float = _max_state_age_ms()
     max_future_ms: float = _max_future_ms()
     request_wait_ms: float = param(

@@ -15,6 +15,9 @@ ask whether an instruction fits).
   newest observation serves (counted as ``superseded``; its RTC guidance, indexed to the old
   stamp, is dropped).
 * ``trigger: continuous``: the newest observation, each one once.
+* ``trigger: pipelined`` (ar bundles): the newest observation, each one once, pushed into
+  ActionFlow's pipeline (:class:`~vla_accel_ros.models.pipeline.PipelinedAr`); each push hands
+  back the chunks whose decode completed, stamped with their own observations.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class InferenceWorker:
         self.state = StateGate(config.robot, max_state_age_ns=int(config.max_state_age_ms * 1e6))  # the rule's state half
         self.requests: LatestSlot[Request] = LatestSlot()
         self.policy: Any = None  # a ConfigurablePolicy once loaded
+        self.pipeline: Any = None  # trigger pipelined: a PipelinedAr over the policy, built on first use
         self._stop = threading.Event()
         self._seen_seq = 0
         self._instruction = ""  # from the topic; '' = the parameter / the bundle's default
@@ -96,6 +100,7 @@ class InferenceWorker:
         self.motion_mode = COARSE
         self.chunks = self.superseded = self.resets_total = 0  # superseded: served with a newer observation
         self.latency, self.infer_ms = Percentiles(), Percentiles()
+        self.staleness_ms = Percentiles()  # pipelined: the pipeline's compute from push to chunk
         # Liveness, on the monotonic clock (sim time may stand still during an inference).
         self.errors = 0  # loop steps that raised (counted, logged; the loop goes on)
         self.started_at = time.monotonic()
@@ -194,8 +199,8 @@ class InferenceWorker:
                 self.busy_since = time.monotonic()
                 served = self.infer(job, now_ns)
                 self.busy_since = None
-                if served is not None:
-                    publish(served)
+                for one in served if isinstance(served, list) else ([] if served is None else [served]):
+                    publish(one)
             except Exception as e:  # noqa: BLE001 - one bad step must not stop the worker
                 self.busy_since = None
                 self.errors += 1
@@ -217,6 +222,8 @@ class InferenceWorker:
             if self.policy is not None and new.policy != old.policy and not self._configure(old, new):
                 new = new.replace(policy=old.policy)
                 self._restore(old.policy)
+            elif new.policy != old.policy:
+                self.pipeline = None  # rebuilt with the new options' planner
             self.cfg = new
             with self.lock:
                 self.state.set_limit(max_state_age_ns=int(new.max_state_age_ms * 1e6))
@@ -227,6 +234,8 @@ class InferenceWorker:
             reason, self._pending_reset = self._pending_reset, ""
         if reason and self.policy is not None:
             self.policy.reset()
+            if self.pipeline is not None:
+                self.pipeline.reset()  # frames in flight belong to the old episode / instruction
             self._reset_reason = reason
 
     def _configure(self, old: PolicyNodeConfig, new: PolicyNodeConfig) -> bool:
@@ -246,7 +255,7 @@ class InferenceWorker:
         """The observation to infer on next, or None (nothing within ``timeout_s``, or stopped)."""
         if self._stop.is_set():
             return None
-        if self.cfg.trigger == "continuous":
+        if self.cfg.trigger in ("continuous", "pipelined"):
             if not self.channel.wait_newer(self._seen_seq, timeout_s):
                 return None
             self._seen_seq = self.channel.seq
@@ -277,8 +286,9 @@ class InferenceWorker:
             )
         return Job(latest[1], latest[0], req.request_id, None, req.motion_mode)
 
-    def infer(self, job: Job, now_ns: Callable[[], int]) -> Served | None:
-        """One inference on ``job`` (None: its state was rejected, and dropped with the reason)."""
+    def infer(self, job: Job, now_ns: Callable[[], int]) -> Served | list[Served] | None:
+        """One inference on ``job`` (None: its state was rejected, and dropped with the reason;
+        pipelined: the chunks this push completed, maybe none)."""
         policy = self.policy
         with self.lock:
             state = self.state.state_for(job.stamp_ns) if policy.spec.state_dim else None
@@ -290,8 +300,17 @@ class InferenceWorker:
         mode = MODE_NAMES.get(self.motion_mode if job.motion_mode is None else job.motion_mode, "coarse")
         policy.set_motion_mode(mode)
         obs = Observation(images=job.obs.images, instruction=self.instruction_text(), stamp_ns=job.stamp_ns, state=state, episode=episode)
-        chunk = policy.infer(obs, guidance=job.guidance)
-        latency_ms = (now_ns() - job.stamp_ns) / 1e6
+        if self.cfg.trigger == "pipelined":
+            return [self._served(c, job.request_id, now_ns, mode) for c in self._pipeline().push(obs)]
+        return self._served(policy.infer(obs, guidance=job.guidance), job.request_id, now_ns, mode)
+
+    def _pipeline(self):
+        if self.pipeline is None:  # an ar policy's pipelined decode (its own KV cache and planner)
+            self.pipeline = self.policy.pipeline(depth=self.cfg.pipeline_depth, steps=self.cfg.pipeline_steps)
+        return self.pipeline
+
+    def _served(self, chunk: ActionChunk, request_id: int, now_ns: Callable[[], int], mode: str) -> Served:
+        latency_ms = (now_ns() - chunk.stamp_ns) / 1e6
         # One count per inference that started from an empty cache, whoever decided it: the
         # node (instruction, episode, config) or the planner itself (scene cut, camera change).
         reset, self._reset_reason = self._reset_reason or str(chunk.stats.get("reset_reason", "")), ""
@@ -300,4 +319,6 @@ class InferenceWorker:
         self.last_chunk_at = time.monotonic()
         self.latency.add(latency_ms)
         self.infer_ms.add(float(chunk.timings_ms.get("total", float("nan"))))
-        return Served(chunk, job.request_id, latency_ms, mode, reset)
+        if "staleness_busy_ms" in chunk.stats:
+            self.staleness_ms.add(float(chunk.stats["staleness_busy_ms"]))
+        return Served(chunk, request_id, latency_ms, mode, reset)
