@@ -37,15 +37,15 @@ def sim_bag(tmp_path_factory) -> Path:
 def replays(sim_bag, tiny_bundles, tmp_path_factory):
     """Both families replayed through the CLI once; each mode's calls recorded in order."""
     calls: list[tuple[str, int]] = []
-    original = rp.ModeRun.infer
+    original = rp.ModeRun.step
 
-    def recording_infer(self, obs, noise):
+    def recording_step(self, obs, noise):
         calls.append((self.name, obs.stamp_ns))
         return original(self, obs, noise)
 
     out = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rp.ModeRun, "infer", recording_infer)
+        mp.setattr(rp.ModeRun, "step", recording_step)
         for fam in ("ar", "flow"):
             calls.clear()
             report = tmp_path_factory.mktemp(f"report_{fam}")

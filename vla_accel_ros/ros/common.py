@@ -211,8 +211,14 @@ def spin_node(
     rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
     node = executor = None
     try:
+        # A signal inside the executor's constructor would leave it half-built (rclpy's __del__
+        # then raises on a missing attribute), so it is built with SIGINT/SIGTERM held back.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         node = factory()
-        executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
         executor.add_node(node)
         if prepare is not None:
             prepare(node)
