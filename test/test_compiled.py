@@ -101,3 +101,20 @@ def test_int8_does_not_export(tiny_bundles):
     policy = load_policy(tiny_bundles["ar"], PolicyConfig.from_dict({"parity_check": False, "precision": {"lm": "int8"}}))
     with pytest.raises(ConfigError, match="int8"):
         export_policy(policy)
+
+
+def test_export_cli(tiny_bundles, tmp_path, capsys):
+    import json
+
+    from vla_accel_ros.cli import main
+
+    assert main(["export", "--bundle", str(tiny_bundles["flow"]), "--out", str(tmp_path / "steps")]) == 0
+    manifest = json.loads((tmp_path / "steps" / "export.json").read_text())
+    assert set(manifest["steps"]) == {"prefill", "expert"} and manifest["max_abs_delta"] <= 1e-5
+    assert manifest["steps"]["expert"]["inputs"]["x"][1] == 50
+    assert "max |exported - engine|" in capsys.readouterr().out
+
+
+def test_compile_refuses_int8_layers(tiny_bundles):
+    with pytest.raises(ConfigError, match="int8"):
+        load_policy(tiny_bundles["ar"], PolicyConfig.from_dict({"parity_check": False, "precision": {"lm": "int8", "compile": True}}))

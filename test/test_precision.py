@@ -128,3 +128,13 @@ def test_int8_expert_refuses_rtc_guidance(models):
         policy.infer(fixed_observation(spec), guidance=guidance)
     bf16 = build_policy(spec, model, PolicyConfig.from_dict({"parity_check": False, "precision": {"expert": "bf16"}}))
     assert np.isfinite(bf16.infer(fixed_observation(spec), guidance=guidance).actions).all()
+
+
+def test_parity_cli_gates_a_precision(tiny_bundles, capsys):
+    from vla_accel_ros.cli import main
+
+    assert main(["parity", "--bundle", str(tiny_bundles["flow"]), "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "precision=bf16" in out and "actions_max_over_std" in out and "PASS" in out
+    assert main(["parity", "--bundle", str(tiny_bundles["ar"]), "--precision", "bf16"]) == 1  # random weights flip tokens
+    assert "token_differ_share" in capsys.readouterr().out
