@@ -20,6 +20,12 @@ def share(subdir: str) -> tuple[str, list[str]]:
     return (f"share/{PACKAGE}/{subdir}", files)
 
 
+def share_tree(subdir: str) -> list[tuple[str, list[str]]]:
+    """Every directory under ``subdir`` with its files (the trained bundles in models/)."""
+    dirs = [d for d in sorted((HERE / subdir).rglob("*")) if d.is_dir()] if (HERE / subdir).is_dir() else []
+    return [share(str(d.relative_to(HERE))) for d in dirs]
+
+
 setup(
     version=VERSION,
     packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]) + [f"{PACKAGE}.kernels"],
@@ -32,6 +38,7 @@ setup(
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
         share("config"),
         share("launch"),
+        *share_tree("models"),
     ],
     entry_points={
         "console_scripts": [f"vla-accel = {PACKAGE}.cli:main"]

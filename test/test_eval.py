@@ -27,11 +27,13 @@ def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
             "--height", "120", "--width", "160", "--no-progress", "--no-parity"]  # fmt: skip
     if family == "ar":
         argv.remove("--no-parity")  # the gate runs in one of the two
+        argv[argv.index("baseline,cache")] = "baseline,cache,pipelined"
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["task"] == "transfer_cube" and report["bundle"]["name"] == f"demo-{family}-tiny"
-    assert report["mode_order"] == ["baseline", "cache"]
-    for mode in ("baseline", "cache"):
+    modes = ["baseline", "cache"] + (["pipelined"] if family == "ar" else [])
+    assert report["mode_order"] == modes
+    for mode in modes:
         m = report["modes"][mode]
         assert m["episodes"] == 1 and m["success_rate"] in (0.0, 1.0)
         lo, hi = m["success_ci95"]

@@ -60,6 +60,9 @@ class EvalConfig:
     precision_overrides: dict[str, Any] = field(default_factory=dict)  # gate limits of the @precision modes
     height: int = 480
     width: int = 640
+    pipeline_depth: int = 4  # pipelined modes: frames in flight (the decode steps per frame follow)
+    pipeline_steps: int = 0
+    stream_every: int = 1  # pipelined modes: ticks between two observations pushed
 
     def validate(self) -> None:
         from vla_accel_ros.sim.aloha import TASK_NAMES
@@ -72,6 +75,8 @@ class EvalConfig:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
         if self.latency not in LATENCY_MODELS:
             raise ConfigError(f"--latency {self.latency!r} is not one of {', '.join(LATENCY_MODELS)}")
+        if self.stream_every < 1 or self.pipeline_depth < 0 or self.pipeline_steps < 0:
+            raise ConfigError("--stream-every must be >= 1 and --pipeline-depth / --pipeline-steps >= 0")
         if self.open_loop_episodes < 0 or self.open_loop_stride < 1:
             raise ConfigError("--open-loop-episodes must be >= 0 and --open-loop-stride >= 1")
         if not Path(self.bundle).exists():
@@ -210,19 +215,24 @@ class EpisodeResult:
     fine_fraction: float  # control ticks the controller's motion switch spent in fine mode
 
 
-def run_episode(robot: SimRobot, policy, graph: GraphConfigs, seed: int, cfg: EvalConfig, noise_seed: int) -> EpisodeResult:
+def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalConfig, noise_seed: int) -> EpisodeResult:
     """One closed-loop episode on simulated time, the graph's tick order: the controller's tick
     (:class:`ControlLoop`: scheduler, safety filter, motion switch, request gating) at every
     20 ms step; a requested observation is rendered at that instant (the camera node would have
-    announced it); its chunk reaches the controller at the next tick it has arrived by."""
+    announced it); its chunk reaches the controller at the next tick it has arrived by. A
+    pipelined mode streams instead (the policy node's ``trigger: pipelined``): every
+    ``cfg.stream_every`` ticks an observation goes into the pipeline, and the chunks it completes
+    reach the controller like any other (their stale actions are dropped by time)."""
     from vla_accel_ros.core.robot.motion import FINE, MODE_NAMES
     from vla_accel_ros.core.scheduling.control_loop import ControlLoop
     from vla_accel_ros.sim.live import DT_NS
 
+    policy, pipe = run.policy, run.pipeline
     spec = policy.spec
     robot.reset(seed)
-    policy.reset()
-    loop = ControlLoop(graph.controller)
+    run.reset()
+    controller = graph.controller if pipe is None else graph.controller.replace(request_chunks=False)
+    loop = ControlLoop(controller)
     now = DT_NS  # as aloha_sim_node: sim time starts one tick in
     robot.publish_state(now)
     target = robot.measured()  # the simulator holds its start pose until commanded
@@ -230,7 +240,7 @@ def run_episode(robot: SimRobot, policy, graph: GraphConfigs, seed: int, cfg: Ev
     in_flight: list[tuple[int, Any]] = []  # (arrival time, chunk)
     latencies: list[float] = []
     fine = 0
-    for _ in range(cfg.steps):
+    for tick in range(cfg.steps):
         robot.publish_state(now)
         arrived = [c for t, c in in_flight if t <= now]
         in_flight = [(t, c) for t, c in in_flight if t > now]
@@ -238,18 +248,27 @@ def run_episode(robot: SimRobot, policy, graph: GraphConfigs, seed: int, cfg: Ev
         fine += loop.motion.mode == FINE
         if out.command is not None:
             target = out.command
-        if out.request is not None:
+        chunks: list = []
+        t0 = time.perf_counter_ns()
+        if pipe is not None and tick % cfg.stream_every == 0:
+            obs = robot.observe(now)
+            if obs is not None:
+                policy.set_motion_mode(MODE_NAMES[loop.motion.mode])
+                chunks = pipe.push(obs)
+        elif pipe is None and out.request is not None:
             obs = robot.observe(now)
             if obs is not None:
                 policy.set_motion_mode(MODE_NAMES[loop.motion.mode])
                 noise = rng.standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
-                chunk = policy.infer(obs, noise=noise, guidance=out.request.guidance)
-                ms = float(chunk.timings_ms["total"])
-                latencies.append(ms)
-                # zero: the simulator waits for the chunk (aloha_sim_node's policy_sync), so it
-                # is in the controller's inbox at the next tick.
-                delay = 0 if cfg.latency == "zero" else int(ms * 1e6)
-                in_flight.append((now + max(delay, 1), chunk))
+                chunks = [policy.infer(obs, noise=noise, guidance=out.request.guidance)]
+        call_ms = (time.perf_counter_ns() - t0) / 1e6
+        for chunk in chunks:
+            ms = float(chunk.stats.get("staleness_busy_ms", chunk.timings_ms["total"]))
+            latencies.append(ms)
+            # zero: the simulator waits for the chunk (aloha_sim_node's policy_sync), so it is in
+            # the controller's inbox at the next tick; measured: this call's wall time later.
+            delay = 0 if cfg.latency == "zero" else int(call_ms * 1e6)
+            in_flight.append((now + max(delay, 1), chunk))
         robot.step(target)
         now += DT_NS
     return EpisodeResult(
@@ -346,7 +365,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
         for r in runs:
             results = []
             for seed in seeds:
-                res = run_episode(robot, r.policy, graph, seed, cfg, noise_seed=cfg.seed)
+                res = run_episode(robot, r, graph, seed, cfg, noise_seed=cfg.seed)
                 results.append(res)
                 bar.update(1)
                 ok = sum(x.success for x in results)

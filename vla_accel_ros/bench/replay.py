@@ -19,6 +19,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ class Mode:
     policy: dict[str, Any]
     reference: bool = False  # call reference_infer (plain transformers) instead of infer
     doc: str = ""
+    pipelined: bool = False  # ar: ActionFlow's pipelined decode (models.pipeline.PipelinedAr)
 
 
 # Named pruning configurations (overrides of PruneConfig()).
@@ -69,6 +71,14 @@ MODES: dict[str, Mode] = {
     "cache+prune-aggressive": Mode(
         {"accel": "cache+prune", "prune": dict(PRUNE_PRESETS["aggressive"])}, doc="token cache with aggressive pruning"
     ),
+    **{
+        "pipelined" + ("" if accel == "none" else f"+{accel}"): Mode(
+            {"accel": accel}, pipelined=True,
+            doc="ar: prefill of each frame packed with the decode steps of the frames in flight"
+            + ("" if accel == "none" else f", prefix planned by {accel}"),
+        )  # fmt: skip
+        for accel in ("none", "cache", "prune", "cache+prune")
+    },
 }
 BASELINE = "baseline"
 COMPILE = "compile"
@@ -128,6 +138,8 @@ class ReplayConfig:
     cache_overrides: dict[str, Any] = field(default_factory=dict)  # CacheConfig fields for every cache mode
     # PrecisionConfig fields (the gate's precision limits) for every mode with a precision suffix
     precision_overrides: dict[str, Any] = field(default_factory=dict)
+    pipeline_steps: int = 0  # pipelined modes: decode steps advanced per frame (0: from the depth, else 1)
+    pipeline_depth: int = 0  # pipelined modes: frames in flight (0: what the steps need)
     # The observation rule's limits (SyncConfig fields; default: the camera and policy nodes').
     sync_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -138,6 +150,8 @@ class ReplayConfig:
             raise ConfigError(f"--max-frames must be >= 0, got {self.max_frames}")
         if self.flow_steps < 0:
             raise ConfigError(f"--flow-steps must be >= 0, got {self.flow_steps}")
+        if self.pipeline_steps < 0 or self.pipeline_depth < 0:
+            raise ConfigError(f"--pipeline-steps / --pipeline-depth must be >= 0, got {self.pipeline_steps} / {self.pipeline_depth}")
         parse_modes(list(self.modes))
 
 
@@ -193,12 +207,37 @@ class ModeRun:
     flops: list[dict[str, float]] = field(default_factory=list)
     work: list[FrameWork] = field(default_factory=list)  # what each timed inference computed
 
-    def infer(self, obs, noise: np.ndarray):
+    call_ms: list[float] = field(default_factory=list)  # each timed frame's call (the mode's cost per frame)
+    pipeline: Any = None  # PipelinedAr for pipelined modes
+
+    def step(self, obs, noise: np.ndarray) -> list:
+        """Process one frame; the chunks that completed (pipelined: those of earlier frames)."""
+        if self.pipeline is not None:
+            return self.pipeline.push(obs)
         if not self.mode.reference:
-            return self.policy.infer(obs, noise=noise)
+            return [self.policy.infer(obs, noise=noise)]
         if self.policy.family == "flow":
-            return self.policy.reference_infer(obs, noise=noise)
-        return self.policy.reference_infer(obs)  # ar: greedy, no noise
+            return [self.policy.reference_infer(obs, noise=noise)]
+        return [self.policy.reference_infer(obs)]  # ar: greedy, no noise
+
+    def flush(self) -> list:
+        return self.pipeline.flush() if self.pipeline is not None else []
+
+    def reset(self) -> None:
+        (self.pipeline or self.policy).reset()
+
+    def record(self, chunk, spec, instruction: str) -> None:
+        """One timed frame's chunk (obs-to-action latency: for a pipelined chunk, the pipeline's
+        own compute from the call its frame entered in to the one it completed in)."""
+        st = chunk.stats
+        self.latency.append(float(st.get("staleness_busy_ms", chunk.timings_ms["total"])))
+        self.stages.append(dict(chunk.timings_ms))
+        self.stats.append(st)
+        self.actions.append(np.asarray(chunk.actions, dtype=np.float32))
+        if "action_tokens" in st:
+            self.tokens.append(list(st["action_tokens"]))
+        layout, _ = self.policy.layout_for(instruction)
+        self.work.append(work_from_stats(spec, st, layout.length, self.mode.reference))
 
 
 def _policy_config(mode: Mode, cfg: ReplayConfig):
@@ -226,19 +265,22 @@ def build_runs(bundle, names: list[str], cfg: ReplayConfig, gate_observations=No
 
     modes = {n: mode_of(n) for n in names}
     configs = {n: _policy_config(modes[n], cfg) for n in names}  # invalid overrides fail before loading
+    piped = [n for n in names if modes[n].pipelined]
+    if piped and bundle.spec.family != "ar":
+        raise ConfigError(f"mode(s) {', '.join(piped)} pipeline ar decoding; bundle {bundle.spec.name} is {bundle.spec.family}")
     base = load_policy(bundle, configs[BASELINE])
-    converted: dict = {}
-    return [
-        ModeRun(
-            n, modes[n],
-            base if n == BASELINE else sibling_policy(
-                base, configs[n], converted=converted,
-                gate_observations=gate_observations if configs[n].precision.reduced else None,
-            ),
-            configs[n].to_dict(),
-        )  # fmt: skip
-        for n in names
-    ]
+    converted: dict = {}  # one converted copy of the weights per precision
+    runs = []
+    for n in names:
+        gate = gate_observations if configs[n].precision.reduced else None
+        policy = base if n == BASELINE else sibling_policy(base, configs[n], converted=converted, gate_observations=gate)
+        run = ModeRun(n, modes[n], policy, configs[n].to_dict())
+        if modes[n].pipelined:
+            from vla_accel_ros.models.pipeline import PipelinedAr
+
+            run.pipeline = PipelinedAr(policy, steps=cfg.pipeline_steps, depth=cfg.pipeline_depth)
+        runs.append(run)
+    return runs
 
 
 # ------------------------------------------------------------------------------ the run
@@ -286,18 +328,25 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
     bag_info = inspect_bag(bag_path, spec)
     runs = build_runs(load_bundle(bundle_path), names, cfg, gate_observations=gate_frames_from_bag(bag_path, sync))
     for r in runs:
-        r.policy.reset()  # forget the parity gate's frames
+        r.reset()  # forget the parity gate's frames
     ref = next(r.policy for r in runs if r.name == BASELINE)
     flow_steps = ref.num_steps if spec.family == "flow" else 0
 
     frame_episodes: list[int] = []
     frame_stamps: list[int] = []
     episodes: dict[int, dict[str, Any]] = {}
+    timed_frames: dict[int, str] = {}  # stamp -> instruction, of the timed frames
     processed = 0
     prev_episode: int | None = None
     expected = bag_info["frames"]
     if cfg.max_frames:
         expected = min(expected, cfg.warmup + cfg.max_frames)
+
+    def record(r: ModeRun, chunks: list) -> None:
+        for chunk in chunks:
+            if chunk.stamp_ns in timed_frames:
+                r.record(chunk, spec, timed_frames[chunk.stamp_ns])
+
     bar = tqdm(total=expected, disable=not progress, unit="frame", desc="replay", dynamic_ncols=True, file=sys.stderr)
     with BagReader(bag_path) as bag, bar:
         for sample in bag.samples(sync):
@@ -306,36 +355,34 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
                 raise BagError(f"bag {bag_path}: observation at {obs.stamp_ns} ns has no state; bundle {spec.name} needs one")
             if prev_episode is not None and obs.episode != prev_episode:
                 for r in runs:  # a new episode: nothing carried over (the cache also keys on it)
-                    r.policy.reset()
+                    record(r, r.flush())
+                    r.reset()
             prev_episode = obs.episode
             ep = episodes.setdefault(obs.episode, {"index": obs.episode, "instruction": obs.instruction, "frames": 0})
             ep["frames"] += 1
             noise = frame_noise(cfg.seed, processed, spec)
             timed = processed >= cfg.warmup
+            if timed:
+                timed_frames[obs.stamp_ns] = obs.instruction
             k = processed % len(runs)
             for r in runs[k:] + runs[:k]:  # rotate who runs first
-                out = r.infer(obs, noise)
-                if not timed:
-                    continue
-                r.latency.append(float(out.timings_ms["total"]))
-                r.stages.append(dict(out.timings_ms))
-                r.stats.append(out.stats)
-                r.actions.append(np.asarray(out.actions, dtype=np.float32))
-                if "action_tokens" in out.stats:
-                    r.tokens.append(list(out.stats["action_tokens"]))
-                layout, _ = r.policy.layout_for(obs.instruction)
-                r.work.append(work_from_stats(spec, out.stats, layout.length, r.mode.reference))
+                t0 = time.perf_counter_ns()
+                chunks = r.step(obs, noise)
+                if timed:
+                    r.call_ms.append((time.perf_counter_ns() - t0) / 1e6)
+                record(r, chunks)
             if timed:
                 frame_episodes.append(obs.episode)
                 frame_stamps.append(obs.stamp_ns)
             processed += 1
             bar.update(1)
             if timed and progress:
-                bar.set_postfix_str(" ".join(f"{r.name} {statistics.median(r.latency):.0f}ms" for r in runs))
+                bar.set_postfix_str(" ".join(f"{r.name} {statistics.median(r.call_ms):.0f}ms" for r in runs))
             if cfg.max_frames and len(frame_episodes) >= cfg.max_frames:
                 break
         skipped = dict(bag.skipped)
-    for r in runs:  # bookkeeping after the loop, not between two timed inferences
+    for r in runs:  # the frames still in flight, then bookkeeping (not between two timed inferences)
+        record(r, r.flush())
         r.flops = [estimate_flops(spec, w, flow_steps=flow_steps) for w in r.work]
     if not frame_episodes:
         raise BagError(
@@ -394,9 +441,12 @@ def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
     ref = next(r for r in runs if r.name == BASELINE)
     std = action_std(spec)
     base = np.asarray(ref.latency)
+    base_fps = len(ref.call_ms) / (sum(ref.call_ms) / 1e3)
     out: dict[str, Any] = {}
     for r in runs:
         lat = np.asarray(r.latency)
+        fps = len(r.call_ms) / (sum(r.call_ms) / 1e3)
+        stale_frames = [float(s.get("staleness_calls", 0)) for s in r.stats]
         reuse = [float(s.get("reuse_fraction", 0.0)) for s in r.stats]  # transformers: no reuse
         kept = [float(s.get("tokens_kept_fraction", 1.0)) for s in r.stats]
         dev, dev_series = deviation(r, ref, std, spec.family)
@@ -410,7 +460,14 @@ def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
             "precision": r.policy.precision.label(),
             "compiled": bool(r.config["precision"]["compile"]),
             "parity_gate": _gate_metrics(r.policy),
-            "latency_ms": distribution(r.latency),
+            "latency_ms": distribution(r.latency),  # obs-to-action (pipelined: its own compute while in flight)
+            "call_ms": distribution(r.call_ms),  # the mode's cost per frame
+            "throughput_fps": fps,
+            "throughput_speedup_vs_baseline": fps / base_fps,
+            "actions_per_s": fps * spec.chunk_size,
+            "staleness_frames": {"mean": float(np.mean(stale_frames)), "max": float(np.max(stale_frames))},
+            # how old a chunk's observation is when the chunk comes out, on this mode's own compute
+            "staleness_ms": distribution(r.latency),
             "stages_ms": {s: {"p50": percentile([t.get(s, 0.0) for t in r.stages], 50),
                               "mean": float(np.mean([t.get(s, 0.0) for t in r.stages]))} for s in stages},  # fmt: skip
             # Ratio of medians, and the median of per-frame ratios (robust to a neighbour

@@ -37,14 +37,15 @@ def headline_rows(result: dict[str, Any]) -> list[list[str]]:
         lat = r["latency_ms"]
         rows.append([
             name, f"{lat['p50']:.1f}", f"{lat['p95']:.1f}", f"{lat['p99']:.1f}",
-            f"{r['speedup_vs_baseline']:.2f}x", f"{100 * r['reuse_fraction']['mean']:.1f}%",
+            f"{r['speedup_vs_baseline']:.2f}x", f"{r['throughput_fps']:.2f} ({r['throughput_speedup_vs_baseline']:.2f}x)",
+            f"{r['staleness_frames']['mean']:.1f}", f"{100 * r['reuse_fraction']['mean']:.1f}%",
             f"{100 * r.get('tokens_kept_fraction', {}).get('mean', 1.0):.1f}%",
             _deviation_cell(fam, name, r), f"{r['flops']['gflops_per_frame']['mean']:.2f}",
         ])  # fmt: skip
     return rows
 
 
-HEADLINE = ["mode", "p50 ms", "p95 ms", "p99 ms", "speedup vs baseline", "reuse mean", "kept mean", "deviation vs baseline", "est. GFLOPs/frame"]
+HEADLINE = ["mode", "p50 ms", "p95 ms", "p99 ms", "speedup vs baseline", "frames/s", "stale frames", "reuse mean", "kept mean", "deviation vs baseline", "est. GFLOPs/frame"]
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:

@@ -1,12 +1,16 @@
 """``vla-accel demo``: the main job (``make demo``).
 
-1. creates the demo bundles (ar and flow) when missing;
+1. takes the trained bundles the package ships (``models/transfer_cube-{ar,flow}``), or with
+   ``--size tiny|small`` creates random-weight demo bundles (speed benchmarks) when missing;
 2. records a short scripted transfer_cube episode from the ALOHA simulator when missing;
 3. replays that bag through both families in every mode side by side (the replay
-   benchmark: latency p50/p95/p99 with selection included, speedup, deviation, reuse, FLOPs);
-4. runs the closed loop (simulator + camera + policy + controller nodes, ``bringup --sim``)
-   for a short while;
-5. prints the headline figures and where the reports are.
+   benchmark: latency p50/p95/p99 with selection included, speedup, frames/s, deviation,
+   reuse, kept tokens, FLOPs);
+4. evaluates the flow bundle in closed loop in the simulator (``vla-accel eval``: success per
+   mode on the same seeds) for a few episodes;
+5. runs the ROS graph closed loop (simulator + camera + policy + controller nodes,
+   ``bringup --sim``) for a short while;
+6. prints the headline figures and where the reports are.
 
 Everything lands under ``--workdir`` (default ``artifacts/``); a second run reuses the
 bundles and the bag.
@@ -20,24 +24,32 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEMO_MODES = "transformers,baseline,cache,cache-max-reuse"
+DEMO_MODES = "transformers,baseline,cache,cache-max-reuse,prune,cache+prune"
+EVAL_MODES = "baseline,cache,cache+prune"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: bundles, sim bag, replay benchmark, closed loop")
-    p.add_argument("--size", choices=("tiny", "small"), default="small", help="demo bundle size")
+    p.add_argument(
+        "--size", choices=("trained", "tiny", "small"), default="trained",
+        help="trained: the shipped models/transfer_cube-{ar,flow}; tiny / small: random-weight demo bundles",
+    )  # fmt: skip
     p.add_argument("--workdir", type=Path, default=Path("artifacts"), help="where bundles, bags and reports go")
     p.add_argument("--steps", type=int, default=40, help="simulated steps in the demo bag (50 Hz)")
     p.add_argument("--modes", default=DEMO_MODES, help="replay modes, side by side")
-    p.add_argument("--loop-seconds", type=float, default=20.0, help="closed-loop duration (0: skip)")
+    p.add_argument("--eval-episodes", type=int, default=3, help="closed-loop eval episodes per mode (0: skip)")
+    p.add_argument("--eval-modes", default=EVAL_MODES, help="closed-loop eval modes")
+    p.add_argument("--loop-seconds", type=float, default=20.0, help="ROS graph closed-loop duration (0: skip)")
     p.add_argument("--loop-family", choices=("ar", "flow"), default="flow", help="bundle family driving the closed loop")
     p.set_defaults(func=_run)
 
 
 def ensure_demo_bundle(workdir: Path, family: str, size: str) -> Path:
-    from vla_accel_ros.core.bundle import CONFIG_FILE, WEIGHTS_FILE
+    from vla_accel_ros.core.bundle import CONFIG_FILE, WEIGHTS_FILE, shipped_bundle
     from vla_accel_ros.models.factory import create_demo_bundle
 
+    if size == "trained":
+        return shipped_bundle(f"transfer_cube-{family}")
     path = workdir / "bundles" / f"{family}-{size}"
     if not ((path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()):
         print(f"[demo] creating {family} bundle {path}", flush=True)
@@ -67,6 +79,8 @@ def _run(args: argparse.Namespace) -> int:
     from vla_accel_ros.bench.report import headline_text, write_report
 
     work = args.workdir
+    parse_modes(args.modes)  # a bad mode fails before anything is written
+    parse_modes(args.eval_modes)
     bundles = {fam: ensure_demo_bundle(work, fam, args.size) for fam in ("ar", "flow")}
     bag = ensure_demo_bag(work, args.steps)
 
@@ -79,6 +93,21 @@ def _run(args: argparse.Namespace) -> int:
         write_report(result, out)
         reports[family] = out
         print(headline_text(result))
+
+    evaluation = None
+    if args.eval_episodes > 0:
+        from vla_accel_ros.bench.eval import EvalConfig, run_eval
+        from vla_accel_ros.bench.eval_report import headline_text as eval_headline
+        from vla_accel_ros.bench.eval_report import write_report as write_eval
+
+        print(f"\n[demo] closed-loop evaluation in the simulator: flow bundle, {args.eval_episodes} episodes per mode, "
+              f"modes {args.eval_modes}", flush=True)  # fmt: skip
+        cfg = EvalConfig(bundle=bundles["flow"], episodes=args.eval_episodes, modes=tuple(parse_modes(args.eval_modes)),
+                         open_loop_episodes=1)  # fmt: skip
+        result = run_eval(cfg, progress=sys.stderr.isatty(), command="vla-accel demo (eval)")
+        evaluation = work / "reports" / f"eval-flow-{args.size}"
+        write_eval(result, evaluation)
+        print(eval_headline(result))
 
     loop = None
     if args.loop_seconds > 0:
@@ -95,6 +124,8 @@ def _run(args: argparse.Namespace) -> int:
     print("\n[demo] reports:")
     for family, out in reports.items():
         print(f"  replay {family}: {out / 'report.md'} (report.json, plots)")
+    if evaluation is not None:
+        print(f"  closed-loop eval: {evaluation / 'report.md'} (report.json, plots)")
     if loop is not None:
-        print(f"  closed loop: {loop} (summary printed above)")
+        print(f"  ROS closed loop: {loop} (summary printed above)")
     return 0

@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--open-loop-stride", type=int, default=10, help="steps between two open-loop inferences")
     p.add_argument("--height", type=int, default=480, help="rendered image height (the bundle resizes)")
     p.add_argument("--width", type=int, default=640, help="rendered image width")
+    p.add_argument("--pipeline-depth", type=int, default=4, help="pipelined modes: frames in flight (default %(default)s)")
+    p.add_argument("--pipeline-steps", type=int, default=0, help="pipelined modes: decode steps per frame (0: from the depth)")
+    p.add_argument("--stream-every", type=int, default=1, help="pipelined modes: ticks between two observations pushed")
     p.add_argument("--params", type=Path, default=None, help="the graph's parameter file (default: config/aloha.yaml)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--flow-steps", type=int, default=0, help="flow: Euler steps per chunk (0: the bundle's)")
@@ -61,6 +64,7 @@ def _eval(args: argparse.Namespace) -> int:
         open_loop_stride=args.open_loop_stride, params=args.params, parity_check=not args.no_parity,
         num_threads=args.threads, flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
         precision_overrides=parse_overrides(args.precision, "--precision"), height=args.height, width=args.width,
+        pipeline_depth=args.pipeline_depth, pipeline_steps=args.pipeline_steps, stream_every=args.stream_every,
     )  # fmt: skip
     cfg.validate()
     command = shlex.join(["vla-accel", "eval", *sys.argv[2:]]) if len(sys.argv) > 1 and sys.argv[1] == "eval" else ""

@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="override a PrecisionConfig field in every @precision mode (repeatable), e.g. a gate limit: "
         "--precision gate_ar_min_identical_tokens=0.9",
     )  # fmt: skip
+    p.add_argument("--pipeline-depth", type=int, default=0, help="pipelined modes: frames in flight (0: derived)")
+    p.add_argument("--pipeline-steps", type=int, default=0, help="pipelined modes: decode steps per frame (0: derived)")
     p.add_argument("--no-parity", action="store_true", help="skip the parity gate of the engine modes")
     p.add_argument("--no-plots", action="store_true", help="write report.json and report.md only")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stdout is not a terminal)")
@@ -57,6 +59,7 @@ def command_line(args: argparse.Namespace) -> str:
             "--report", str(args.report), "--warmup", str(args.warmup), "--seed", str(args.seed)]  # fmt: skip
     for flag, value, default in (
         ("--max-frames", args.max_frames, 0), ("--threads", args.threads, 0), ("--flow-steps", args.flow_steps, 0),
+        ("--pipeline-depth", args.pipeline_depth, 0), ("--pipeline-steps", args.pipeline_steps, 0),
     ):  # fmt: skip
         if value != default:
             argv += [flag, str(value)]
@@ -77,7 +80,8 @@ def _replay(args: argparse.Namespace) -> int:
         max_frames=args.max_frames, seed=args.seed, parity_check=not args.no_parity, num_threads=args.threads,
         flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
         precision_overrides=parse_overrides(args.precision, "--precision"),
-        sync_overrides=parse_overrides(args.sync, "--sync"),
+        sync_overrides=parse_overrides(args.sync, "--sync"), pipeline_depth=args.pipeline_depth,
+        pipeline_steps=args.pipeline_steps,
     )  # fmt: skip
     progress = not args.no_progress and sys.stdout.isatty()
     result = run_replay(cfg, progress=progress, command=command_line(args))

@@ -144,8 +144,25 @@ def save_bundle(path: str | Path, spec: BundleSpec, state_dict: Mapping[str, Any
     # Written beside and renamed into place: a reader never sees half a file.
     save_file(tensors, str(path / (WEIGHTS_FILE + ".tmp")), metadata={"format": "pt", "bundle": FORMAT})
     (path / (CONFIG_FILE + ".tmp")).write_text(json.dumps({"format": FORMAT, **spec.to_dict()}, indent=2) + "\n")
+    os.chmod(path / (WEIGHTS_FILE + ".tmp"), 0o644)  # safetensors writes 0600; a bundle is shared data
     os.replace(path / (WEIGHTS_FILE + ".tmp"), path / WEIGHTS_FILE)
     os.replace(path / (CONFIG_FILE + ".tmp"), path / CONFIG_FILE)
+    return path
+
+
+SHIPPED = ("transfer_cube-ar", "transfer_cube-flow")  # trained bundles in the repository's models/
+
+
+def shipped_bundle(name: str) -> Path:
+    """A trained bundle the package ships (``models/<name>``, installed to share/vla_accel_ros/models)."""
+    from vla_accel_ros.core.params_file import find_shared
+
+    try:
+        path = find_shared(f"models/{name}")
+    except FileNotFoundError as e:
+        raise BundleError(f"shipped bundle {name!r} not found: {e}") from e
+    if not (path / CONFIG_FILE).is_file():
+        raise BundleError(f"{path}: not a bundle (no {CONFIG_FILE})")
     return path
 
 

@@ -34,6 +34,10 @@ from vla_accel_ros.core.kv_cache import KVCache
 from vla_accel_ros.kernels import KernelSet, get_kernels
 
 
+# Attention gathers the readable keys first when fewer than this share of its window are.
+_COMPACT_BELOW = 0.75
+
+
 class DecoderStack:
     """Handles on the modules of a transformers decoder, validated once."""
 
@@ -200,7 +204,6 @@ class Engine:
         dropped_at: dict[int, torch.Tensor] = dict(plan.drop)
         gone: torch.Tensor | None = None  # [S] bool: slots the hook dropped so far
         allowed_rows = cache.allowed[rows]  # [n, S]
-        kv_end = int(cache.visible_end[rows].max()) if N else 0
 
         for l, layer in enumerate(st.layers):
             new_rows = rows if plan.layer_slots is None else plan.layer_slots[l]
@@ -238,11 +241,7 @@ class Engine:
                 kern.write_kv(k_cache, v_cache, rows, k, v)
                 cache.valid[l, rows] = True
                 valid = cache.valid[l]
-            mask = allowed_rows[:, :kv_end] & valid[:kv_end]  # [n, S']
-            keys, values = k_cache[:, :, :kv_end], v_cache[:, :, :kv_end]
-            o = kern.attend(q, keys, values, mask, st.scaling)  # [B, Hq, n, D]
-            if l in tap_layers:
-                self._tap(l, q, keys, mask, rows, plan.taps, taps)
+            o = self._attend(l, q, k_cache, v_cache, valid, allowed_rows, rows, plan.taps if l in tap_layers else None, taps)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if hook is not None and l in hook.layers and l + 1 < st.num_layers:
@@ -260,8 +259,50 @@ class Engine:
             hidden = st.norm(x[:, sel])
         return StepOutput(hidden=hidden, taps=taps, computed_per_layer=computed, dropped=dropped_at)
 
-    def _tap(self, l, q, keys, mask, rows, spec: TapSpec, out: TapResult) -> None:
-        """Eager softmax for the tapped query rows only.  q: [B, Hq, n, D], keys: [B, Hkv, S', D]"""
+    def _attend(self, l, q, k_cache, v_cache, valid, allowed_rows, rows, tap: TapSpec | None, taps: TapResult | None):
+        """Attention of the computed rows over the keys their segments hold.  q: [B, Hq, n, D]
+
+        Rows of one segment read only that segment's key window [start, visible end): a packed
+        forward over several segments (pipelined frames) costs what its segments cost apart,
+        not rows x every slot of the cache."""
+        cache, kern, scale = self.cache, self.kernels, self.stack.scaling
+        starts = cache.seg_start[rows]  # [n]
+        if bool((starts == starts[0]).all()):
+            groups = [(None, int(starts[0]), int(cache.visible_end[rows].max()))]
+        else:
+            groups = []
+            for s0 in torch.unique(starts).tolist():
+                idx = torch.nonzero(starts == s0).flatten()
+                groups.append((idx, s0, int(cache.visible_end[rows[idx]].max())))
+        out = torch.empty_like(q) if len(groups) > 1 else None
+        for idx, s0, s1 in groups:
+            qg, mask = (q, allowed_rows) if idx is None else (q[:, :, idx], allowed_rows[idx])
+            mask = mask[:, s0:s1] & valid[s0:s1]  # [n_g, S']
+            keys, values = k_cache[:, :, s0:s1], v_cache[:, :, s0:s1]
+            tapped = tap is not None and self._taps_group(tap, rows if idx is None else rows[idx])
+            if tapped:
+                self._tap(l, qg, keys, mask, rows if idx is None else rows[idx], tap, taps, s0)
+            elif mask.shape[1] >= 64:
+                # Keys nobody may read (pruned tokens, the unused tail of a prefix) are left out
+                # when they are many: what every flow step and decode row attends to shrinks too.
+                cols = mask.any(0)
+                n_cols = int(cols.sum())
+                if n_cols < _COMPACT_BELOW * cols.numel():
+                    keep = torch.nonzero(cols).flatten()
+                    keys, values, mask = keys.index_select(2, keep), values.index_select(2, keep), mask[:, keep]
+            o = kern.attend(qg, keys, values, mask, scale)  # [B, Hq, n_g, D]
+            if out is None:
+                return o
+            out[:, :, idx] = o
+        return out
+
+    @staticmethod
+    def _taps_group(tap: TapSpec, group_rows: torch.Tensor) -> bool:
+        return bool(torch.isin(tap.query_slots, group_rows).all())
+
+    def _tap(self, l, q, keys, mask, rows, spec: TapSpec, out: TapResult, key0: int = 0) -> None:
+        """Eager softmax for the tapped query rows only.  q: [B, Hq, n, D], keys: [B, Hkv, S', D]
+        holding slots [key0, key0 + S')."""
         qi = _rel_index(rows, spec.query_slots, f"taps.query_slots at layer {l}")
         B, Hq, _, D = q.shape
         Hkv = keys.shape[1]
@@ -269,7 +310,7 @@ class Engine:
         scores = torch.einsum("bhgqd,bhsd->bhgqs", qt, keys) * self.stack.scaling
         scores = scores.masked_fill(~mask[qi], float("-inf"))
         probs = scores.softmax(dim=-1).flatten(1, 2)  # [B, Hq, nq, S']
-        key_slots = spec.key_slots
+        key_slots = spec.key_slots - key0
         pk = probs[..., key_slots]  # [B, Hq, nq, nk]
         out.attn[l] = pk.mean(dim=(0, 1))
         p = pk / pk.sum(-1, keepdim=True).clamp_min(1e-12)

@@ -92,9 +92,11 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.valid = torch.zeros(num_layers, max_slots, dtype=torch.bool, device=device)
         self.allowed = torch.zeros(max_slots, max_slots, dtype=torch.bool, device=device)
-        # One past the last key slot visible from each query slot: attention only reads
-        # keys [0, visible_end) so empty tail slots cost nothing.
+        # One past the last key slot visible from each query slot, and the first slot of its
+        # segment: attention reads keys [seg_start, visible_end) only, so empty tail slots and
+        # other segments cost nothing.
         self.visible_end = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.seg_start = torch.zeros(max_slots, dtype=torch.long, device=device)
 
     @property
     def num_layers(self) -> int:
@@ -109,6 +111,9 @@ class KVCache:
         self.allowed.copy_(allowed)
         idx = torch.arange(1, self.max_slots + 1, device=allowed.device)
         self.visible_end.copy_((allowed * idx).amax(dim=1))
+        self.seg_start.zero_()
+        for seg in segments:
+            self.seg_start[seg.start : seg.start + seg.length] = seg.start
 
     def invalidate(self, slots: torch.Tensor | None = None, from_layer: int = 0) -> None:
         """Forget slots (all when None) from ``from_layer`` on."""

@@ -19,25 +19,32 @@ PACKAGE = "vla_accel_ros"
 C = TypeVar("C")
 
 
-def default_params_file() -> Path:
-    """``config/aloha.yaml``: from the install's share directory, else the source tree."""
+def find_shared(relative: str) -> Path:
+    """A file or directory the package ships beside its code (``config/aloha.yaml``,
+    ``models/<bundle>``): from the source tree, an ament share directory (colcon install
+    space) or the Python environment's ``share/vla_accel_ros``."""
     here = Path(__file__).resolve()
-    candidates = [here.parents[2] / "config" / "aloha.yaml"]  # the source tree
+    candidates = [here.parents[2] / relative]  # the source tree
     try:
         from ament_index_python.packages import PackageNotFoundError, get_package_share_directory  # noqa: PLC0415
 
         try:
-            candidates.append(Path(get_package_share_directory(PACKAGE)) / "config" / "aloha.yaml")
+            candidates.append(Path(get_package_share_directory(PACKAGE)) / relative)
         except (PackageNotFoundError, OSError, ValueError):  # OSError: no AMENT_PREFIX_PATH (a plain venv)
             pass
     except ImportError:
         pass
     prefix = Path(os.environ.get("VIRTUAL_ENV") or sys.prefix)
-    candidates.append(prefix / "share" / PACKAGE / "config" / "aloha.yaml")
+    candidates.append(prefix / "share" / PACKAGE / relative)
     for c in candidates:
-        if c.is_file():
+        if c.exists():
             return c
-    raise FileNotFoundError(f"config/aloha.yaml not found (looked in {', '.join(map(str, candidates))})")
+    raise FileNotFoundError(f"{relative} not found (looked in {', '.join(map(str, candidates))})")
+
+
+def default_params_file() -> Path:
+    """``config/aloha.yaml``: from the install's share directory, else the source tree."""
+    return find_shared("config/aloha.yaml")
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
