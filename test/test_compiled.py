@@ -97,7 +97,7 @@ def test_export_round_trip(tiny_bundles, tmp_path, family):
     assert {p.name for p in paths} == {f"{n}.pt2" for n in programs} | {"export.json"}
 
 
-def test_int8_does_not_export(tiny_bundles):
+def test_int8_does_not_export(tiny_bundles):  # its packed weights live in this process
     policy = load_policy(tiny_bundles["ar"], PolicyConfig.from_dict({"parity_check": False, "precision": {"lm": "int8"}}))
     with pytest.raises(ConfigError, match="int8"):
         export_policy(policy)
@@ -115,6 +115,13 @@ def test_export_cli(tiny_bundles, tmp_path, capsys):
     assert "max |exported - engine|" in capsys.readouterr().out
 
 
-def test_compile_refuses_int8_layers(tiny_bundles):
-    with pytest.raises(ConfigError, match="int8"):
-        load_policy(tiny_bundles["ar"], PolicyConfig.from_dict({"parity_check": False, "precision": {"lm": "int8", "compile": True}}))
+def test_int8_layers_compile_as_one_op(tiny_bundles):
+    """int8 layers stay inside the compiled graph (vla_accel::int8_linear) and give the eager
+    int8 results."""
+    config = PolicyConfig.from_dict({"parity_check": False, "precision": {"lm": "int8"}})
+    eager, compiled = load_policy(tiny_bundles["ar"], config), load_policy(tiny_bundles["ar"], config)
+    (engine,) = _swap_in_compiled(compiled, "aot_eager")
+    obs = fixed_observation(eager.spec)
+    a, c = eager.infer(obs), compiled.infer(obs)
+    assert a.stats["action_tokens"] == c.stats["action_tokens"] and engine.static_calls > 0
+    assert np.abs(a.actions - c.actions).max() <= 1e-5

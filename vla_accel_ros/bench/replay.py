@@ -15,6 +15,7 @@ Nothing here imports rclpy: bags are read through ``vla_accel_ros.io.bag_reader`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -101,13 +102,14 @@ def mode_of(name: str) -> Mode:
     compiled = parts[-1] == COMPILE
     if compiled:
         parts = parts[:-1]
-    if len(parts) > 1 or parts == [""] or (not parts and not compiled):
+    if len(parts) > 1 or parts == [""]:
         raise ConfigError(f"mode {name!r}: the suffix is @<precision>[+compile] or @compile, precision one of {', '.join(PRESETS)}")
     precision = preset(parts[0]) if parts else {}
     if mode.reference and (compiled or any(v != "fp32" for v in precision.values())):
         raise ConfigError(f"mode {name!r}: the transformers path runs fp32 eager (it is the reference)")
     what = (parts[0] if parts else "fp32") + (", compiled" if compiled else "")
-    return Mode({**mode.policy, "precision": {**precision, "compile": compiled}}, mode.reference, f"{mode.doc} ({what})")
+    policy = {**mode.policy, "precision": {**precision, "compile": compiled}}
+    return dataclasses.replace(mode, policy=policy, doc=f"{mode.doc} ({what})")
 
 
 def parse_modes(text: str | list[str] | tuple[str, ...]) -> list[str]:

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from vla_accel_ros.core.engine import DecoderStack, Engine, StepOutput, StepPlan, _rel_index
-from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.kv_cache import KVCache
 from vla_accel_ros.kernels import KernelSet
 from vla_accel_ros.kernels import ops  # noqa: F401  (registers torch.ops.vla_accel.*)
@@ -67,11 +66,6 @@ class StaticStep(nn.Module):
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
-
-
-def traceable(model: nn.Module) -> bool:
-    """No module whose forward dynamo cannot put in a graph (quantized packed-weight layers)."""
-    return not any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules())
 
 
 def is_static_plan(plan: StepPlan) -> bool:
@@ -118,10 +112,6 @@ class CompiledEngine(Engine):
 
 def build_engine(stack: DecoderStack, cache: KVCache, *, max_positions: int | None = None, compile: bool = False) -> Engine:
     """The engine a policy runs: eager, or with its static steps compiled."""
-    if compile and not traceable(stack.model):
-        # Dynamo cannot trace PyTorch's int8 dynamic linear (packed weights): every layer would
-        # break the graph, which measured slower than eager (ar decode 381 vs 314 ms).
-        raise ConfigError("precision.compile needs fp32 or bf16 decoder layers; int8 layers run eager only")
     if compile:
         return CompiledEngine(stack, cache, max_positions=max_positions)
     return Engine(stack, cache, max_positions=max_positions)

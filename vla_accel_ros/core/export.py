@@ -18,7 +18,7 @@ the two ops are registered.
 Steps per family: ``ar``: ``prefill`` (the prefix of the default instruction) and ``decode``
 (one token); ``flow``: ``prefill`` and ``expert`` (the action chunk over the cached prefix).
 Only fp32 and bf16 components export: PyTorch's int8 dynamic linear holds packed weights that
-torch.export does not trace.
+live in the exporting process (compiled graphs reach them through ``vla_accel::int8_linear``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def step_inputs(engine: Engine, slots: torch.Tensor, positions: torch.Tensor | N
 def export_step(engine: Engine, slots: torch.Tensor, positions: torch.Tensor | None = None) -> torch.export.ExportedProgram:
     """``engine``'s static step for ``slots.numel()`` rows as an ExportedProgram (the example
     inputs are copies: exporting never writes the engine's cache)."""
+    if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in engine.stack.model.modules()):
+        # The int8 layers are an op over packed weights held by this process: not portable.
+        raise ConfigError("int8 components do not export (their packed weights live in this process); use fp32 or bf16")
     step = StaticStep(engine.stack, engine.cos, engine.sin).eval()
     args = tuple(a.clone() for a in step_inputs(engine, slots, positions))
     with torch.inference_mode(False), torch.no_grad():

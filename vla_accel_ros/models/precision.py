@@ -14,7 +14,9 @@ Only ``nn.Linear`` layers change; the model is copied first, so policies of othe
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -60,19 +62,54 @@ def component_linears(model: nn.Module, family: str) -> dict[str, list[tuple[nn.
     return {c: out[c] for c in COMPONENTS}
 
 
-def _int8_linear(linear: nn.Linear) -> nn.Module:
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
-    from torch.ao.quantization import per_channel_dynamic_qconfig
-
-    with warnings.catch_warnings():
-        # torch.ao.quantization announces its move to torchao; we pin torch (see module doc).
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        warnings.filterwarnings("ignore", message=".*quantize_per_(tensor|channel).*")
-        linear.qconfig = per_channel_dynamic_qconfig
-        return DynamicInt8Linear.from_float(linear)
+# Int8Linear's packed layers by handle: the custom op below finds its layer here (weakly held:
+# a layer lives as long as its model).
+_PACKED: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
 
 
-_CONVERT = {"bf16": Bf16Linear, "int8": _int8_linear}
+@torch.library.custom_op("vla_accel::int8_linear", mutates_args=())
+def int8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """PyTorch's int8 dynamic linear of layer ``handle`` as one opaque op (its packed weights
+    are not a tensor torch.compile can trace).  x: [..., in] -> [..., out_features]"""
+    return _PACKED[handle](x)
+
+
+@int8_linear.register_fake
+def _int8_linear_fake(x, handle, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` as int8 weights (per output channel) with dynamic int8 activations
+    (``torch.ao.nn.quantized.dynamic.Linear``). Eager calls run the layer directly; inside a
+    compiled graph it is the custom op ``vla_accel::int8_linear``, so the graph stays whole."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+        from torch.ao.quantization import per_channel_dynamic_qconfig
+
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with warnings.catch_warnings():
+            # torch.ao.quantization announces its move to torchao; we pin torch (see module doc).
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            warnings.filterwarnings("ignore", message=".*quantize_per_(tensor|channel).*")
+            linear.qconfig = per_channel_dynamic_qconfig
+            self.packed = DynamicInt8Linear.from_float(linear)
+        self.handle = next(_HANDLES)
+        _PACKED[self.handle] = self.packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.vla_accel.int8_linear(x, self.handle, self.out_features)
+        return self.packed(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+_CONVERT = {"bf16": Bf16Linear, "int8": Int8Linear}
 
 
 def convert_model(model: nn.Module, family: str, precision: PrecisionConfig) -> nn.Module:
@@ -95,12 +132,10 @@ def convert_model(model: nn.Module, family: str, precision: PrecisionConfig) -> 
 def linear_precisions(model: nn.Module) -> dict[str, int]:
     """How many Linear layers of each kind a model has (fp32 / bf16 / int8): what ran."""
     counts = {"fp32": 0, "bf16": 0, "int8": 0}
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
-
     for m in model.modules():
         if isinstance(m, Bf16Linear):
             counts["bf16"] += 1
-        elif isinstance(m, DynamicInt8Linear):
+        elif isinstance(m, Int8Linear):
             counts["int8"] += 1
         elif isinstance(m, nn.Linear):
             counts["fp32"] += 1
