@@ -12,6 +12,10 @@ The engine calls exactly two operators on its hot path:
 implementation (a fused RoPE + KV write, varlen flash attention over segments) registers
 itself with :func:`register`; its import is guarded so a missing toolchain never breaks the
 package, and the reference stays the fallback.
+
+:mod:`.ops` registers the same two operators as torch.library custom ops
+(``torch.ops.vla_accel.write_kv`` / ``attend``, with fake implementations) for the compiled and
+exported step graphs; a GPU implementation also registers its kernels there for its device type.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ def get_kernels(device: torch.device | str = "cpu", prefer: str = "auto") -> Ker
 
 
 from . import reference as _reference  # noqa: E402  (registers itself)
+from . import ops  # noqa: E402,F401  (torch.ops.vla_accel.*)
 
 try:  # The drop-in point for GPU kernels (kernels/cuda.py); optional by design.
     from . import cuda as _cuda  # noqa: E402,F401

@@ -38,7 +38,7 @@ def test_arguments_are_checked_before_any_work(tmp_path, tiny_bundles):
         (("bench", "engine", "--bundle", flow, "--repeats", "0"), "--repeats must be >= 1"),
         (("bench", "cache", "--bundle", flow, "--json", str(tmp_path / "missing" / "r.json")), "does not exist"),
         (("bench", "engine", "--bundle", flow, "--json", str(tmp_path / "missing" / "r.json")), "does not exist"),
-        (("demo", "--modes", "nope", "--workdir", str(tmp_path / "demo")), "unknown mode(s) nope"),
+        (("demo", "--modes", "nope", "--workdir", str(tmp_path / "demo")), "unknown mode 'nope'"),
         (("demo", "--modes", ",", "--workdir", str(tmp_path / "demo")), "names no mode"),
     ):
         out = _run(*args)

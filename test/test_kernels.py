@@ -33,3 +33,46 @@ def test_selection_and_errors():
     assert kernels.get_kernels("cpu").name == "reference"
     with pytest.raises(ValueError, match="unknown kernel set"):
         kernels.get_kernels("cpu", prefer="nope")
+
+
+def _op_inputs():
+    torch.manual_seed(1)
+    B, Hq, Hkv, S, D, n = 1, 4, 2, 24, 8, 5
+    slots = torch.tensor([1, 2, 7, 8, 20])
+    mask = torch.rand(n, S) > 0.4
+    mask[torch.arange(n), slots] = True  # every row sees itself
+    return (torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D), slots, torch.randn(B, Hkv, n, D),
+            torch.randn(B, Hkv, n, D), torch.randn(B, Hq, n, D), mask)  # fmt: skip
+
+
+def test_custom_ops_match_reference_and_have_fake_kernels():
+    from vla_accel_ros.kernels import ops
+
+    kc, vc, slots, k, v, q, mask = _op_inputs()
+    ref = kernels.get_kernels("cpu", prefer="reference")
+    kr, vr = kc.clone(), vc.clone()
+    ref.write_kv(kr, vr, slots, k, v)
+    torch.ops.vla_accel.write_kv(kc, vc, slots, k, v)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    out = torch.ops.vla_accel.attend(q, kc, vc, mask, 0.3)
+    assert torch.equal(out, ref.attend(q, kr, vr, mask, 0.3).contiguous())
+    # The schema, the fake (meta) kernels and the mutation annotations agree with the real ones.
+    torch.library.opcheck(ops.write_kv, (kc.clone(), vc.clone(), slots, k, v))
+    torch.library.opcheck(ops.attend, (q, kc, vc, mask, 0.3))
+
+
+def test_custom_ops_under_torch_compile():
+    """The two ops in one compiled graph (inductor, fullgraph: no break around them) give the
+    reference's results, and write the cache in place."""
+    kc, vc, slots, k, v, q, mask = _op_inputs()
+
+    def step(kc, vc, slots, k, v, q, mask):
+        torch.ops.vla_accel.write_kv(kc, vc, slots, k * 2.0, v)
+        return torch.ops.vla_accel.attend(q, kc, vc, mask, 0.3) + 1.0
+
+    kr, vr = kc.clone(), vc.clone()
+    expected = step(kr, vr, slots, k, v, q, mask)
+    compiled = torch.compile(step, backend="inductor", fullgraph=True, dynamic=False)
+    got = compiled(kc, vc, slots, k, v, q, mask)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    assert (got - expected).abs().max() <= 1e-6

@@ -220,3 +220,29 @@ def test_errors(sim_bag, tiny_bundles, tmp_path, capsys) -> None:
         rp.run_replay(rp.ReplayConfig(bag=sim_bag, bundle=tmp_path))
     with pytest.raises(ConfigError):
         rp.parse_modes("cache,cache")
+
+
+def test_mode_suffix_parsing():
+    m = rp.mode_of("cache+prune@int8+compile")
+    assert m.policy["accel"] == "cache+prune"
+    assert m.policy["precision"] == {"lm": "int8", "expert": "int8", "compile": True}
+    assert rp.mode_of("baseline@compile").policy["precision"] == {"compile": True}
+    assert rp.mode_of("baseline@auto").policy["precision"]["vision"] == "auto"
+    assert "precision" not in rp.mode_of("cache").policy  # unsuffixed: fp32 eager
+    assert rp.parse_modes("baseline@bf16,cache@int8") == ["baseline", "baseline@bf16", "cache@int8"]
+    for bad in ("baseline@fp8", "baseline@", "baseline@bf16+int8", "warp@bf16", "transformers@bf16", "baseline@bf16+jit"):
+        with pytest.raises(ConfigError):
+            rp.mode_of(bad)
+
+
+def test_replay_with_precision_suffix(sim_bag, tiny_bundles, tmp_path):
+    """A reduced-precision mode side by side with the fp32 baseline: gated on the bag's frames,
+    reported with its speedup, deviation against the baseline and what its gate measured."""
+    cfg = rp.ReplayConfig(bag=sim_bag, bundle=tiny_bundles["flow"], modes=("baseline", "baseline@bf16"), warmup=1)
+    rep = rp.run_replay(cfg)
+    bf16 = rep["modes"]["baseline@bf16"]
+    assert bf16["precision"] == "lm=bf16,expert=bf16" and not bf16["compiled"]
+    assert rep["modes"]["baseline"]["precision"] == "fp32"
+    assert bf16["speedup_vs_baseline"] > 0 and 0 < bf16["deviation"]["max_over_std"] < 0.02
+    assert bf16["parity_gate"]["precision_second_frame_max_over_std"] <= 0.02
+    assert "(bf16)" in bf16["doc"]

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from vla_accel_ros.bench.replay import BASELINE, MODES, build_runs, machine_info, parse_modes
+from vla_accel_ros.bench.replay import BASELINE, build_runs, machine_info, parse_modes
 from vla_accel_ros.bench.stats import distribution
 from vla_accel_ros.core.errors import ConfigError
 
@@ -57,6 +57,7 @@ class EvalConfig:
     num_threads: int = 0
     flow_steps: int = 0
     cache_overrides: dict[str, Any] = field(default_factory=dict)
+    precision_overrides: dict[str, Any] = field(default_factory=dict)  # gate limits of the @precision modes
     height: int = 480
     width: int = 640
     pipeline_depth: int = 4  # pipelined modes: frames in flight (the decode steps per frame follow)
@@ -396,7 +397,7 @@ def summarize_mode(run, results: list[EpisodeResult], open_loop: dict[str, Any])
     ok = sum(r.success for r in results)
     lat = [x for r in results for x in r.latency_ms]
     return {
-        "doc": MODES[run.name].doc,
+        "doc": run.mode.doc,
         "policy_config": run.config,
         "episodes": n,
         "successes": ok,

@@ -15,6 +15,7 @@ Nothing here imports rclpy: bags are read through ``vla_accel_ros.io.bag_reader`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -80,6 +81,34 @@ MODES: dict[str, Mode] = {
     },
 }
 BASELINE = "baseline"
+COMPILE = "compile"
+
+
+def mode_of(name: str) -> Mode:
+    """The mode a name runs: one of :data:`MODES`, optionally with a runtime suffix
+    ``@<precision preset>[+compile]`` or ``@compile`` (e.g. ``baseline@bf16``,
+    ``cache+prune@int8+compile``): the base mode at that precision (presets of
+    :data:`vla_accel_ros.core.precision.PRESETS`), compiled or eager. Unsuffixed: fp32 eager."""
+    from vla_accel_ros.core.precision import PRESETS, preset
+
+    base, at, suffix = name.partition("@")
+    if base not in MODES:
+        raise ConfigError(f"unknown mode {base!r}; choose from {', '.join(MODES)} (with @<precision>[+compile])")
+    mode = MODES[base]
+    if not at:
+        return mode
+    parts = suffix.split("+")
+    compiled = parts[-1] == COMPILE
+    if compiled:
+        parts = parts[:-1]
+    if len(parts) > 1 or parts == [""]:
+        raise ConfigError(f"mode {name!r}: the suffix is @<precision>[+compile] or @compile, precision one of {', '.join(PRESETS)}")
+    precision = preset(parts[0]) if parts else {}
+    if mode.reference and (compiled or any(v != "fp32" for v in precision.values())):
+        raise ConfigError(f"mode {name!r}: the transformers path runs fp32 eager (it is the reference)")
+    what = (parts[0] if parts else "fp32") + (", compiled" if compiled else "")
+    policy = {**mode.policy, "precision": {**precision, "compile": compiled}}
+    return dataclasses.replace(mode, policy=policy, doc=f"{mode.doc} ({what})")
 
 
 def parse_modes(text: str | list[str] | tuple[str, ...]) -> list[str]:
@@ -89,9 +118,8 @@ def parse_modes(text: str | list[str] | tuple[str, ...]) -> list[str]:
     names = [m for m in names if m]
     if not names:
         raise ConfigError(f"--modes names no mode ({text!r}); choose from {', '.join(MODES)}")
-    unknown = [m for m in names if m not in MODES]
-    if unknown:
-        raise ConfigError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    for m in names:
+        mode_of(m)  # ConfigError for an unknown mode or suffix
     if len(set(names)) != len(names):
         raise ConfigError(f"--modes lists a mode twice: {','.join(names)}")
     if BASELINE not in names:
@@ -111,6 +139,8 @@ class ReplayConfig:
     num_threads: int = 0  # torch threads (0: torch's default)
     flow_steps: int = 0  # flow: Euler steps (0: the bundle's)
     cache_overrides: dict[str, Any] = field(default_factory=dict)  # CacheConfig fields for every cache mode
+    # PrecisionConfig fields (the gate's precision limits) for every mode with a precision suffix
+    precision_overrides: dict[str, Any] = field(default_factory=dict)
     pipeline_steps: int = 0  # pipelined modes: decode steps advanced per frame (0: from the depth, else 1)
     pipeline_depth: int = 0  # pipelined modes: frames in flight (0: what the steps need)
     # The observation rule's limits (SyncConfig fields; default: the camera and policy nodes').
@@ -219,6 +249,8 @@ def _policy_config(mode: Mode, cfg: ReplayConfig):
     fields = {k: (dict(v) if isinstance(v, dict) else v) for k, v in mode.policy.items()}
     if fields.get("accel") in ("cache", "cache+prune") and cfg.cache_overrides:
         fields["cache"] = {**fields.get("cache", {}), **cfg.cache_overrides}
+    if "precision" in fields and getattr(cfg, "precision_overrides", None):
+        fields["precision"] = {**fields["precision"], **cfg.precision_overrides}
     # The transformers path is what the parity gate compares against; gating it is moot.
     fields.update(
         parity_check=cfg.parity_check and not mode.reference, num_threads=cfg.num_threads, flow_steps=cfg.flow_steps,
@@ -227,22 +259,26 @@ def _policy_config(mode: Mode, cfg: ReplayConfig):
     return PolicyConfig.from_dict(fields)
 
 
-def build_runs(bundle, names: list[str], cfg: ReplayConfig) -> list[ModeRun]:
-    """One policy per mode sharing one model's weights; each engine mode passes the parity
-    gate (with ``cfg.parity_check``) before it is timed."""
+def build_runs(bundle, names: list[str], cfg: ReplayConfig, gate_observations=None) -> list[ModeRun]:
+    """One policy per mode sharing one model's weights (one converted copy per precision); each
+    engine mode passes the parity gate (with ``cfg.parity_check``; on ``gate_observations``,
+    two frames, when given) before it is timed."""
     from vla_accel_ros.models.factory import sibling_policy
     from vla_accel_ros.models.factory import load_policy
 
-    configs = {n: _policy_config(MODES[n], cfg) for n in names}  # invalid overrides fail before loading
-    piped = [n for n in names if MODES[n].pipelined]
+    modes = {n: mode_of(n) for n in names}
+    configs = {n: _policy_config(modes[n], cfg) for n in names}  # invalid overrides fail before loading
+    piped = [n for n in names if modes[n].pipelined]
     if piped and bundle.spec.family != "ar":
         raise ConfigError(f"mode(s) {', '.join(piped)} pipeline ar decoding; bundle {bundle.spec.name} is {bundle.spec.family}")
     base = load_policy(bundle, configs[BASELINE])
+    converted: dict = {}  # one converted copy of the weights per precision
     runs = []
     for n in names:
-        policy = base if n == BASELINE else sibling_policy(base, configs[n])
-        run = ModeRun(n, MODES[n], policy, configs[n].to_dict())
-        if MODES[n].pipelined:
+        gate = gate_observations if configs[n].precision.reduced else None
+        policy = base if n == BASELINE else sibling_policy(base, configs[n], converted=converted, gate_observations=gate)
+        run = ModeRun(n, modes[n], policy, configs[n].to_dict())
+        if modes[n].pipelined:
             from vla_accel_ros.models.pipeline import PipelinedAr
 
             run.pipeline = PipelinedAr(policy, steps=cfg.pipeline_steps, depth=cfg.pipeline_depth)
@@ -251,6 +287,23 @@ def build_runs(bundle, names: list[str], cfg: ReplayConfig) -> list[ModeRun]:
 
 
 # ------------------------------------------------------------------------------ the run
+
+
+def gate_frames_from_bag(path: Path, sync, second: int = 10) -> tuple[Any, Any] | None:
+    """The bag's first observation and its ``second``-th (or last): real frames for the parity
+    gate of the reduced-precision modes; None when the bag has fewer than two."""
+    from vla_accel_ros.io.bag_reader import BagReader
+
+    first = last = None
+    with BagReader(path) as bag:
+        for i, sample in enumerate(bag.samples(sync)):
+            if first is None:
+                first = sample.observation
+            else:
+                last = sample.observation
+            if i >= second:
+                break
+    return None if last is None else (first, last)
 
 
 def frame_noise(seed: int, index: int, spec) -> np.ndarray:
@@ -280,7 +333,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
             f"--warmup {cfg.warmup} leaves no frame to time: bag {bag_path} has at most {bag_info['frames']} "
             f"observations for cameras {', '.join(spec.cameras)} (use --warmup < {bag_info['frames']})"
         )
-    runs = build_runs(load_bundle(bundle_path), names, cfg)
+    runs = build_runs(load_bundle(bundle_path), names, cfg, gate_observations=gate_frames_from_bag(bag_path, sync))
     for r in runs:
         r.reset()  # forget the parity gate's frames
     ref = next(r.policy for r in runs if r.name == BASELINE)
@@ -410,6 +463,10 @@ def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
             "doc": r.mode.doc,
             "reference_path": r.mode.reference,
             "policy_config": r.config,
+            # what ran: precision per component (auto resolved) and the compile switch
+            "precision": r.policy.precision.label(),
+            "compiled": bool(r.config["precision"]["compile"]),
+            "parity_gate": _gate_metrics(r.policy),
             "latency_ms": distribution(r.latency),  # obs-to-action (pipelined: its own compute while in flight)
             "call_ms": distribution(r.call_ms),  # the mode's cost per frame
             "throughput_fps": fps,
@@ -454,6 +511,12 @@ def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
             },
         }
     return out
+
+
+def _gate_metrics(policy) -> dict[str, float] | None:
+    """What the parity gate measured when this mode's policy was built (None: not gated)."""
+    report = getattr(policy, "parity_report", None)
+    return None if report is None else dict(report.metrics)
 
 
 def _bundle_info(path: Path, spec, policy, flow_steps: int) -> dict[str, Any]:

@@ -22,6 +22,7 @@ COMMANDS = (
     "vla_accel_ros.cli.record_cmd",
     "vla_accel_ros.cli.train_cmd",
     "vla_accel_ros.cli.eval_cmd",
+    "vla_accel_ros.cli.export_cmd",
 )
 
 

@@ -19,7 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", required=True, type=Path, help="model bundle directory")
     p.add_argument("--task", default="transfer_cube", choices=("transfer_cube", "insertion"))
     p.add_argument("--episodes", type=int, default=20, help="episodes per mode (default %(default)s)")
-    p.add_argument("--modes", default="baseline,cache", help="comma-separated modes, as `vla-accel replay` (baseline added)")
+    p.add_argument(
+        "--modes", default="baseline,cache",
+        help="comma-separated modes, as `vla-accel replay` (baseline added; @<precision>[+compile] suffixes)",
+    )  # fmt: skip
     p.add_argument("--report", required=True, type=Path, help="directory for report.json, report.md and plots")
     p.add_argument("--seed", type=int, default=100_000, help="seed of episode 0 (demonstrations use 0, 1, ...)")
     p.add_argument("--steps", type=int, default=300, help="control steps per episode (300 = 6 s)")
@@ -39,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--flow-steps", type=int, default=0, help="flow: Euler steps per chunk (0: the bundle's)")
     p.add_argument("--cache", action="append", default=[], metavar="FIELD=VALUE", help="override a CacheConfig field")
+    p.add_argument(
+        "--precision", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a PrecisionConfig field (a gate limit) in every @precision mode",
+    )  # fmt: skip
     p.add_argument("--no-parity", action="store_true", help="skip the parity gate")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -56,8 +63,8 @@ def _eval(args: argparse.Namespace) -> int:
         seed=args.seed, steps=args.steps, latency=args.latency, open_loop_episodes=args.open_loop_episodes,
         open_loop_stride=args.open_loop_stride, params=args.params, parity_check=not args.no_parity,
         num_threads=args.threads, flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
-        height=args.height, width=args.width, pipeline_depth=args.pipeline_depth, pipeline_steps=args.pipeline_steps,
-        stream_every=args.stream_every,
+        precision_overrides=parse_overrides(args.precision, "--precision"), height=args.height, width=args.width,
+        pipeline_depth=args.pipeline_depth, pipeline_steps=args.pipeline_steps, stream_every=args.stream_every,
     )  # fmt: skip
     cfg.validate()
     command = shlex.join(["vla-accel", "eval", *sys.argv[2:]]) if len(sys.argv) > 1 and sys.argv[1] == "eval" else ""

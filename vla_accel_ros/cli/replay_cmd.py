@@ -20,7 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--modes", default="baseline,cache",
         help="comma-separated modes run side by side (baseline is added when missing): baseline, transformers, "
-        "cache, cache-<preset> for the presets of `bench cache` (max-reuse, public-code, entropy)",
+        "cache, cache-<preset> for the presets of `bench cache` (max-reuse, public-code, entropy), prune, "
+        "cache+prune, ...; a suffix @<precision>[+compile] runs a mode at a precision preset (fp32, bf16, int8, "
+        "auto) and/or compiled, e.g. baseline@int8, cache+prune@auto+compile, baseline@compile",
     )  # fmt: skip
     p.add_argument("--report", required=True, type=Path, help="directory for report.json, report.md and the plots")
     p.add_argument("--warmup", type=int, default=2, help="first frames processed but left out of the statistics")
@@ -36,6 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--sync", action="append", default=[], metavar="FIELD=VALUE",
         help="override a limit of the observation rule (SyncConfig: max_age_ms, max_skew_ms, max_state_age_ms, "
         "image_size; default: the camera and policy nodes' values), e.g. --sync max_skew_ms=100",
+    )  # fmt: skip
+    p.add_argument(
+        "--precision", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a PrecisionConfig field in every @precision mode (repeatable), e.g. a gate limit: "
+        "--precision gate_ar_min_identical_tokens=0.9",
     )  # fmt: skip
     p.add_argument("--pipeline-depth", type=int, default=0, help="pipelined modes: frames in flight (0: derived)")
     p.add_argument("--pipeline-steps", type=int, default=0, help="pipelined modes: decode steps per frame (0: derived)")
@@ -55,7 +62,7 @@ def command_line(args: argparse.Namespace) -> str:
     ):  # fmt: skip
         if value != default:
             argv += [flag, str(value)]
-    for flag, items in (("--cache", args.cache), ("--sync", args.sync)):
+    for flag, items in (("--cache", args.cache), ("--precision", args.precision), ("--sync", args.sync)):
         for item in items:
             argv += [flag, item]
     argv += [f for f, on in (("--no-parity", args.no_parity), ("--no-plots", args.no_plots)) if on]
@@ -71,6 +78,7 @@ def _replay(args: argparse.Namespace) -> int:
         bag=Path(args.bag), bundle=Path(args.bundle), modes=tuple(parse_modes(args.modes)), warmup=args.warmup,
         max_frames=args.max_frames, seed=args.seed, parity_check=not args.no_parity, num_threads=args.threads,
         flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
+        precision_overrides=parse_overrides(args.precision, "--precision"),
         sync_overrides=parse_overrides(args.sync, "--sync"), pipeline_depth=args.pipeline_depth,
         pipeline_steps=args.pipeline_steps,
     )  # fmt: skip

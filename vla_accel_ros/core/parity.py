@@ -18,6 +18,15 @@ through the policy's own planner; B's actions against the full-compute reference
 check must exercise what runs: with pruning some token must be dropped, and with the token
 cache some token must be reused unless its relevance eviction evicted every static token
 (then nothing approximate ran and there is nothing to verify, which the report says).
+
+Precision check (a policy whose ``precision`` is below fp32 carries an :class:`Fp32Reference`:
+the fp32 transformers path of the same bundle on the gate's two frames, computed once when it
+is built, so the fp32 weights need not stay loaded): every action check above compares with
+that reference instead, at the ``precision.gate_*`` limits (ar: share of identical action
+tokens and max |delta| in action units; flow: max |delta| / action std, same noise), and the
+second frame is also run through the full recompute so precision is measured apart from any
+token method. The two frames are the synthetic ones by default; callers with real frames (the
+replay benchmark: the bag's first observations) pass them.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ from typing import Callable
 
 import numpy as np
 
-from vla_accel_ros.core.types import Observation
+from vla_accel_ros.core.prefix import FullRecompute
+from vla_accel_ros.core.types import ActionChunk, Observation
 
 
 @dataclass
@@ -99,56 +109,125 @@ def _reference(policy, obs: Observation, noise):
 PARITY_STEPS = ("prefix_hidden", "actions", "actions_reuse", "accelerated")
 
 
+def gate_noise(spec, seed: int = 1234) -> np.ndarray | None:
+    """The flow noise of every gate inference (None for ar)."""
+    if spec.family != "flow":
+        return None
+    return np.random.default_rng(seed).standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
+
+
+def gate_frames(spec, seed: int = 1234, observations=None) -> tuple[Observation, Observation]:
+    """The gate's two frames: ``observations`` when given, else a fixed synthetic frame and the
+    same frame with a moving block."""
+    if observations is not None:
+        first, second = observations
+        return first, second
+    first = fixed_observation(spec, seed)
+    return first, changed_observation(first, spec)
+
+
+@dataclass
+class Fp32Reference:
+    """The fp32 transformers path of a bundle on the gate's frames, for reduced-precision gates."""
+
+    observations: tuple[Observation, Observation]
+    noise: np.ndarray | None
+    chunks: tuple[ActionChunk, ActionChunk]
+
+
+def fp32_reference(fp32_policy, seed: int = 1234, observations=None) -> Fp32Reference:
+    """Run the gate's frames through ``fp32_policy``'s transformers path (an fp32 policy of the
+    same bundle; it may be dropped afterwards)."""
+    frames = gate_frames(fp32_policy.spec, seed, observations)
+    noise = gate_noise(fp32_policy.spec, seed)
+    return Fp32Reference(frames, noise, tuple(_reference(fp32_policy, o, noise) for o in frames))
+
+
+def _check_precision(report: ParityReport, name: str, policy, got: ActionChunk, ref: ActionChunk) -> None:
+    """Reduced precision against fp32 at the ``precision.gate_*`` limits."""
+    limits = policy.config.precision
+    if policy.spec.family == "ar":
+        same = np.mean([a == b for a, b in zip(got.stats["action_tokens"], ref.stats["action_tokens"])])
+        # checked as 1 - share <= 1 - min share, so the report's rule "value <= tolerance" holds
+        report.check(f"{name}_token_differ_share", float(1.0 - same), tolerance=1.0 - limits.gate_ar_min_identical_tokens)
+        report.check(f"{name}_max_abs", float(np.abs(got.actions - ref.actions).max()), tolerance=limits.gate_ar_max_abs)
+    else:
+        delta = np.abs(_normalized(policy, got.actions) - _normalized(policy, ref.actions))
+        report.check(f"{name}_max_over_std", float(delta.max()), tolerance=limits.gate_flow_max_over_std)
+
+
 def run_parity(
     policy,
     tolerance: float = 1e-3,
     seed: int = 1234,
     accel_tolerance: float | None = None,
+    observations=None,
     on_step: Callable[[str], None] | None = None,
 ) -> ParityReport:
-    """Compare ``policy`` (ArPolicy or FlowPolicy) with its transformers reference; the
-    accelerated check runs when its planner is not the full recompute. ``on_step(name)`` after
-    each of :data:`PARITY_STEPS` (progress; "accelerated" also when there is nothing to check)."""
+    """Compare ``policy`` (ArPolicy or FlowPolicy) with its transformers reference (fp32: the
+    same modules; reduced precision: ``policy.fp32_reference``); the accelerated check runs
+    when its planner is not the full recompute. ``observations``: the gate's two frames.
+    ``on_step(name)`` after each of :data:`PARITY_STEPS` (progress; "accelerated" also when
+    there is nothing to check)."""
     step = on_step or (lambda _name: None)
     spec, cfg = policy.spec, policy.config
     accel_tolerance = cfg.parity_tolerance_accel if accel_tolerance is None else accel_tolerance
-    obs = fixed_observation(spec, seed)
+    fp32 = getattr(policy, "fp32_reference", None)
+    if fp32 is not None:
+        (obs, second), noise = fp32.observations, fp32.noise
+    else:
+        obs, second = gate_frames(spec, seed, observations)
+        noise = gate_noise(spec, seed)
     report = ParityReport(tolerance=tolerance)
     policy.reset()
 
-    ref_h = policy.reference_prefix_hidden(obs)
-    eng_h = policy.engine_prefix_hidden(obs)
-    report.check("prefix_hidden_max_abs", float((ref_h - eng_h).abs().max()))
+    if fp32 is None:
+        ref_h = policy.reference_prefix_hidden(obs)
+        eng_h = policy.engine_prefix_hidden(obs)
+        report.check("prefix_hidden_max_abs", float((ref_h - eng_h).abs().max()))
+        ref = _reference(policy, obs, noise)
+        ref2 = _reference(policy, second, noise) if cfg.accel != "none" else None
+    else:
+        ref, ref2 = fp32.chunks
+        report.notes.append(f"precision {policy.precision.label()}: against the fp32 reference of the bundle")
+        _precision_only(policy, second, noise, ref2, report)
     step("prefix_hidden")
-
-    noise = None
-    if spec.family == "flow":
-        noise = np.random.default_rng(seed).standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
-    ref = _reference(policy, obs, noise)
     ref_n = _normalized(policy, ref.actions)
-    exact = not cfg.uses_prune
+    exact = not cfg.uses_prune and fp32 is None
     for name in ("actions", "actions_reuse"):  # the second call reuses every reusable token
         got = policy.infer(obs, noise=noise)
         delta = np.abs(_normalized(policy, got.actions) - ref_n)
-        if exact:
-            report.check(f"{name}_max_abs_norm", float(delta.max()))
-        else:  # pruning is approximate from the first frame on
+        if cfg.uses_prune:  # pruning is approximate from the first frame on
             report.check(f"{name}_mean_abs_norm", float(delta.mean()), tolerance=accel_tolerance)
+        elif fp32 is not None:
+            _check_precision(report, name, policy, got, ref)
+        else:
+            report.check(f"{name}_max_abs_norm", float(delta.max()))
         if spec.family == "ar" and exact:
             mismatched = sum(a != b for a, b in zip(got.stats["action_tokens"], ref.stats["action_tokens"]))
             report.check(f"{name}_token_mismatches", float(mismatched), tolerance=0.0)
         step(name)
     if cfg.accel != "none":
-        _accelerated_check(policy, obs, noise, report, accel_tolerance)
+        _accelerated_check(policy, obs, second, noise, ref2, report, accel_tolerance)
     step("accelerated")
     policy.reset()
     return report
 
 
-def _accelerated_check(policy, obs: Observation, noise, report: ParityReport, tolerance: float) -> None:
+def _precision_only(policy, second: Observation, noise, ref: ActionChunk, report: ParityReport) -> None:
+    """The second frame through the full recompute: precision apart from any token method."""
+    planner = policy.planner
+    policy.planner = FullRecompute()
+    try:
+        got = policy.infer(second, noise=noise)
+    finally:
+        policy.planner = planner
+        planner.reset("external prefix write")
+    _check_precision(report, "precision_second_frame", policy, got, ref)
+
+
+def _accelerated_check(policy, obs: Observation, second: Observation, noise, ref, report: ParityReport, tolerance: float) -> None:
     cfg = policy.config
-    second = changed_observation(obs, policy.spec)
-    ref = _reference(policy, second, noise)
     policy.reset()
     policy.infer(obs, noise=noise)
     got = policy.infer(second, noise=noise)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from vla_accel_ros.core.cache.config import CacheConfig
 from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.precision import PrecisionConfig
 from vla_accel_ros.core.prune.config import PruneConfig
 
 ACCEL_MODES = ("none", "cache", "prune", "cache+prune")
@@ -36,6 +37,9 @@ class PolicyConfig(Config):
     seed: int = param(0, doc="seed of the flow noise when the caller passes none", range=(0, 2**31 - 1))
     cache: CacheConfig = CacheConfig()  # accel=cache / cache+prune: the token cache's knobs (ROS: cache.*)
     prune: PruneConfig = PruneConfig()  # accel=prune / cache+prune: the pruning knobs (ROS: prune.*)
+    # Precision per component, the compile switch and the gate's precision limits (ROS:
+    # precision.*; fixed once the policy is built).
+    precision: PrecisionConfig = PrecisionConfig()
 
     @property
     def uses_cache(self) -> bool:

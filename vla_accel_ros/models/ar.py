@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from vla_accel_ros.core.bundle import BundleSpec
-from vla_accel_ros.core.engine import DecoderStack, Engine, StepPlan
+from vla_accel_ros.core.engine import DecoderStack, StepPlan
 from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner, plan_stats
@@ -64,7 +64,7 @@ class ArPolicy(PolicyBase):
         self.max_slots = 1 + len(spec.cameras) * g * g + spec.max_text_tokens + n_state + self.num_action_tokens
         self.cache = self.stack.make_cache(self.max_slots)
         self.cache.set_layout([Segment(0, (Block(self.max_slots, "causal"),))])
-        self.engine = Engine(self.stack, self.cache, max_positions=self.max_slots)
+        self.engine = self.make_engine(self.stack, self.cache, self.max_slots)
         self.prefix_engine = self.engine
         self.action_norm = Normalizer(spec.norm_stats["action"], spec.action_dim, "norm_stats.action")
         bins = spec.action_bins

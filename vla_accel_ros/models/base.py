@@ -17,7 +17,10 @@ from vla_accel_ros.core.bundle import BundleSpec
 from vla_accel_ros.core.config import changed_fields
 from vla_accel_ros.core.errors import ConfigError, ObservationError
 from vla_accel_ros.core.policy_config import PolicyConfig
-from vla_accel_ros.core.engine import Engine, StepPlan
+from vla_accel_ros.core.compiled import build_engine
+from vla_accel_ros.core.engine import DecoderStack, Engine, StepPlan
+from vla_accel_ros.core.kv_cache import KVCache
+from vla_accel_ros.core.precision import COMPONENTS
 from vla_accel_ros.core.prefix import FullRecompute, PrefixContext, PrefixLayout, PrefixPlan, PrefixPlanner
 from vla_accel_ros.core.robot.motion import MODE_NAMES
 from vla_accel_ros.core.types import Observation
@@ -85,10 +88,11 @@ class VisionPrefix(nn.Module):
 
 _INSTANCES = itertools.count()
 # PolicyConfig fields fixed when the policy is built: the parity gate ran, torch's thread count
-# is process-wide, the noise generator was seeded.
-_FIXED = ("parity_check", "num_threads", "seed")
+# is process-wide, the noise generator was seeded, the weights were converted and the engines
+# built for a precision and compile switch.
+_FIXED = ("parity_check", "num_threads", "seed", *(f"precision.{c}" for c in (*COMPONENTS, "compile")))
 # Fields that do not change how the prefix is planned: changing them keeps the planner's caches.
-_NOT_PLANNER = {"flow_steps", "parity_tolerance", *_FIXED}
+_NOT_PLANNER = {"flow_steps", "parity_tolerance", "precision", *_FIXED}
 MOTION_MODES = tuple(MODE_NAMES.values())
 
 
@@ -108,6 +112,8 @@ class PolicyBase:
         self.motion_mode = MOTION_MODES[0]
         # Names this policy's KV cache in every PrefixContext (a counter, never reused like id()).
         self.source = f"{spec.name}#{next(_INSTANCES)}"
+        # What the weights run at (``auto`` resolved); models.factory converted them to it.
+        self.precision = config.precision.resolve(self.family)
         self.state_norm = (
             Normalizer(spec.norm_stats["state"], spec.state_dim, "norm_stats.state") if spec.state_dim else None
         )
@@ -142,6 +148,10 @@ class PolicyBase:
         return self.model.state_proj(z)
 
     prefix_engine: Engine
+
+    def make_engine(self, stack: DecoderStack, cache: KVCache, max_positions: int) -> Engine:
+        """An engine over ``cache``: eager, or with its static steps compiled (``precision.compile``)."""
+        return build_engine(stack, cache, max_positions=max_positions, compile=self.config.precision.compile)
 
     def prepare_cache(self, layout: PrefixLayout) -> None:
         """Make the KV cache ready for a prefix of this layout. :meth:`infer` does it itself;

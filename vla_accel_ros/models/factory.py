@@ -216,32 +216,66 @@ def load_for_robot(cfg: PolicyNodeConfig, instruction: str = ""):
     return policy
 
 
-def build_policy(spec: BundleSpec, model: nn.Module, config: PolicyConfig | None = None, *, planner=None, where: str = ""):
-    """A policy around already-built modules (several policies may share one model's weights,
-    each with its own KV cache and planner), gated like :func:`load_policy`."""
-    config = config or PolicyConfig()
-    planner = planner or make_planner(config)
+def _policy(spec: BundleSpec, model: nn.Module, config: PolicyConfig, planner):
     if spec.family == "ar":
         from vla_accel_ros.models.ar import ArPolicy
 
-        policy = ArPolicy(spec, model, config, planner)
-    else:
-        from vla_accel_ros.models.flow import FlowPolicy
+        return ArPolicy(spec, model, config, planner)
+    from vla_accel_ros.models.flow import FlowPolicy
 
-        policy = FlowPolicy(spec, model, config, planner)
+    return FlowPolicy(spec, model, config, planner)
+
+
+def build_policy(
+    spec: BundleSpec,
+    model: nn.Module,
+    config: PolicyConfig | None = None,
+    *,
+    planner=None,
+    where: str = "",
+    converted: dict[str, nn.Module] | None = None,
+    gate_observations: tuple[Observation, Observation] | None = None,
+):
+    """A policy around already-built fp32 modules (several policies may share one model's
+    weights, each with its own KV cache and planner), gated like :func:`load_policy`.
+
+    ``config.precision`` below fp32 runs on a converted copy of ``model`` (``converted``, a
+    dict the caller keeps, shares one copy per precision between policies); the gate then
+    compares it with the fp32 transformers path of ``model`` on ``gate_observations`` (two
+    frames; default: the gate's synthetic frames)."""
+    from vla_accel_ros.models.precision import convert_model
+
+    config = config or PolicyConfig()
+    planner = planner or make_planner(config)
+    precision = config.precision.resolve(spec.family)
+    run_model = model
+    if precision.reduced:
+        key = precision.label()
+        run_model = converted.get(key) if converted is not None else None
+        if run_model is None:
+            run_model = convert_model(model, spec.family, precision)
+            if converted is not None:
+                converted[key] = run_model
+    policy = _policy(spec, run_model, config, planner)
     if config.parity_check:
-        from vla_accel_ros.core.parity import run_parity
+        from vla_accel_ros.core.parity import fp32_reference, run_parity
 
-        report = run_parity(policy, tolerance=config.parity_tolerance)
+        if precision.reduced:
+            fp32 = _policy(spec, model, PolicyConfig(parity_check=False), None)
+            policy.fp32_reference = fp32_reference(fp32, observations=gate_observations)
+        report = run_parity(policy, tolerance=config.parity_tolerance, observations=gate_observations)
         if not report.passed:
             raise ParityError(f"{where or spec.name}: parity gate failed, the policy refuses to start:\n{report.table()}")
         policy.parity_report = report
     return policy
 
 
-def sibling_policy(policy, config: PolicyConfig):
-    """Another policy on ``policy``'s weights with its own cache, planner and config."""
-    return build_policy(policy.spec, policy.model, config, where=policy.spec.name)
+def sibling_policy(policy, config: PolicyConfig, **kwargs):
+    """Another policy on ``policy``'s weights with its own cache, planner and config (``policy``
+    must run fp32: reduced-precision siblings are converted from its weights)."""
+    if policy.precision.reduced:
+        raise ConfigError("build sibling policies from an fp32 policy (its weights are what other precisions convert)")
+    return build_policy(policy.spec, policy.model, config, where=policy.spec.name, **kwargs)
 
 
 def inspect_bundle(path: str | Path) -> str:

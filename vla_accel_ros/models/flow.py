@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vla_accel_ros.core.bundle import BundleSpec
-from vla_accel_ros.core.engine import DecoderStack, Engine, StepPlan
-from vla_accel_ros.core.errors import ObservationError
+from vla_accel_ros.core.engine import DecoderStack, StepPlan
+from vla_accel_ros.core.errors import ConfigError, ObservationError
 from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner, plan_stats
@@ -81,8 +81,8 @@ class FlowPolicy(PolicyBase):
         self.max_slots = self.max_prefix + spec.chunk_size
         # One cache: the VLM writes the prefix rows, the expert writes and reads the chunk rows.
         self.cache = self.vlm_stack.make_cache(self.max_slots)
-        self.vlm_engine = Engine(self.vlm_stack, self.cache, max_positions=self.max_slots)
-        self.expert_engine = Engine(self.expert_stack, self.cache, max_positions=self.max_slots)
+        self.vlm_engine = self.make_engine(self.vlm_stack, self.cache, self.max_slots)
+        self.expert_engine = self.make_engine(self.expert_stack, self.cache, self.max_slots)
         self.prefix_engine = self.vlm_engine
         self.action_norm = Normalizer(spec.norm_stats["action"], spec.action_dim, "norm_stats.action")
         self._layout_len = -1
@@ -148,6 +148,8 @@ class FlowPolicy(PolicyBase):
                 t = 1.0 - i * dt
                 x = x - dt * self.velocity(x, t, length)
             return x
+        if self.precision.expert == "int8":
+            raise ConfigError("Real-Time Chunking guidance differentiates the expert; precision.expert=int8 has no backward (use bf16)")
         y, w = self._guidance_targets(guidance)
         for i in range(steps):
             t = 1.0 - i * dt

@@ -1,0 +1,127 @@
+"""Compiled static steps (core/compiled.py) and their export (core/export.py) on tiny bundles."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from vla_accel_ros.core.compiled import CompiledEngine, is_static_plan
+from vla_accel_ros.core.engine import StepPlan
+from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.export import check_program, custom_ops, export_policy, policy_steps, save_programs
+from vla_accel_ros.core.parity import changed_observation, fixed_observation, gate_noise
+from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.models.factory import load_policy
+
+
+def _swap_in_compiled(policy, backend: str) -> list[CompiledEngine]:
+    """The policy's engines as CompiledEngines over the same caches (what precision.compile
+    builds, with a backend that needs no C++ toolchain: the graph, functionalization and the
+    ops' fake kernels are exercised, code generation is not)."""
+    engines = []
+    for attr in ("engine", "vlm_engine", "expert_engine", "prefix_engine"):
+        old = getattr(policy, attr, None)
+        if old is None:
+            continue
+        new = next((e for e, o in engines if o is old), None)
+        if new is None:
+            new = CompiledEngine(old.stack, old.cache, max_positions=old.cos.shape[0], backend=backend)
+            engines.append((new, old))
+        setattr(policy, attr, new)
+    return [e for e, _ in engines]
+
+
+@pytest.mark.parametrize("family", ["ar", "flow"])
+def test_compiled_steps_match_eager(tiny_bundles, family):
+    eager = load_policy(tiny_bundles[family], PolicyConfig(parity_check=False))
+    compiled = load_policy(tiny_bundles[family], PolicyConfig(parity_check=False))
+    engines = _swap_in_compiled(compiled, "aot_eager")
+    spec = eager.spec
+    noise = gate_noise(spec)
+    obs = fixed_observation(spec)
+    for frame in (obs, changed_observation(obs, spec)):
+        a, c = eager.infer(frame, noise=noise), compiled.infer(frame, noise=noise)
+        assert np.abs(a.actions - c.actions).max() <= 1e-5
+        if family == "ar":
+            assert a.stats["action_tokens"] == c.stats["action_tokens"]
+    # Every step was static: prefill, and decode tokens / Euler steps.
+    per_infer = {"ar": spec.action_dim * spec.chunk_size, "flow": 1 + spec.num_steps}[family]
+    assert sum(e.static_calls for e in engines) == 2 * per_infer
+
+
+def test_non_static_plans_stay_eager(tiny_bundles):
+    policy = load_policy(tiny_bundles["ar"], PolicyConfig(parity_check=False, accel="cache+prune"))
+    (engine,) = _swap_in_compiled(policy, "aot_eager")
+    obs = fixed_observation(policy.spec)
+    policy.infer(obs)
+    decode_steps = policy.num_action_tokens - 1
+    assert engine.static_calls == decode_steps  # the pruned prefill ran the eager loop
+    slots = torch.arange(4)
+    assert is_static_plan(StepPlan(slots=slots, positions=slots, layer_slots=[slots] * 3))
+    assert not is_static_plan(StepPlan(slots=slots, positions=slots, layer_slots=[slots, slots[:2]]))
+    assert not is_static_plan(StepPlan(slots=slots, positions=slots, drop={1: slots[:1]}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["ar", "flow"])
+def test_compile_switch_passes_the_gate(tiny_bundles, family):
+    """precision.compile=True with inductor: the gate's exact checks (1e-3 against transformers)."""
+    policy = load_policy(tiny_bundles[family], PolicyConfig.from_dict({"precision": {"compile": True}}))
+    assert policy.parity_report.passed
+    assert isinstance(policy.prefix_engine, CompiledEngine) and policy.prefix_engine.static_calls > 0
+
+
+@pytest.mark.parametrize("family", ["ar", "flow"])
+def test_export_round_trip(tiny_bundles, tmp_path, family):
+    """Every static step exports with the two custom ops as graph nodes, survives a save / load
+    round trip (in memory) and matches the eager engine; the archive holds no pickle."""
+    policy = load_policy(tiny_bundles[family], PolicyConfig(parity_check=False))
+    policy.infer(fixed_observation(policy.spec), noise=gate_noise(policy.spec))  # a cache with content
+    programs = export_policy(policy)
+    assert set(programs) == {"ar": {"prefill", "decode"}, "flow": {"prefill", "expert"}}[family]
+    layers = policy.prefix_engine.stack.num_layers
+    for name, (engine, slots) in policy_steps(policy).items():
+        ep = programs[name]
+        assert custom_ops(ep) == {"vla_accel.write_kv.default": layers, "vla_accel.attend.default": layers}
+        buf = io.BytesIO()
+        torch.export.save(ep, buf)
+        names = zipfile.ZipFile(io.BytesIO(buf.getvalue())).namelist()
+        assert not any(n.endswith(".pkl") for n in names)
+        buf.seek(0)
+        assert check_program(torch.export.load(buf), engine, slots) <= 1e-5
+    paths = save_programs(programs, tmp_path / "out", {"family": family})
+    assert {p.name for p in paths} == {f"{n}.pt2" for n in programs} | {"export.json"}
+
+
+def test_int8_does_not_export(tiny_bundles):  # its packed weights live in this process
+    policy = load_policy(tiny_bundles["ar"], PolicyConfig.from_dict({"parity_check": False, "precision": {"lm": "int8"}}))
+    with pytest.raises(ConfigError, match="int8"):
+        export_policy(policy)
+
+
+def test_export_cli(tiny_bundles, tmp_path, capsys):
+    import json
+
+    from vla_accel_ros.cli import main
+
+    assert main(["export", "--bundle", str(tiny_bundles["flow"]), "--out", str(tmp_path / "steps")]) == 0
+    manifest = json.loads((tmp_path / "steps" / "export.json").read_text())
+    assert set(manifest["steps"]) == {"prefill", "expert"} and manifest["max_abs_delta"] <= 1e-5
+    assert manifest["steps"]["expert"]["inputs"]["x"][1] == 50
+    assert "max |exported - engine|" in capsys.readouterr().out
+
+
+def test_int8_layers_compile_as_one_op(tiny_bundles):
+    """int8 layers stay inside the compiled graph (vla_accel::int8_linear) and give the eager
+    int8 results."""
+    config = PolicyConfig.from_dict({"parity_check": False, "precision": {"lm": "int8"}})
+    eager, compiled = load_policy(tiny_bundles["ar"], config), load_policy(tiny_bundles["ar"], config)
+    (engine,) = _swap_in_compiled(compiled, "aot_eager")
+    obs = fixed_observation(eager.spec)
+    a, c = eager.infer(obs), compiled.infer(obs)
+    assert a.stats["action_tokens"] == c.stats["action_tokens"] and engine.static_calls > 0
+    assert np.abs(a.actions - c.actions).max() <= 1e-5

@@ -1,0 +1,122 @@
+"""Export the engine's static-shape steps with torch.export: what TensorRT (or another
+ahead-of-time runtime) consumes.
+
+Each program is one :class:`~vla_accel_ros.core.compiled.StaticStep` at a fixed row count, with
+the model's weights as constants and the KV cache as inputs written in place:
+
+    (x [1, n, H], slots [n] int64, positions [n] int64,
+     k_cache [L, 1, Hkv, S, D], v_cache [L, 1, Hkv, S, D], valid [L, S] bool, allowed [S, S] bool)
+    -> hidden [1, n, H] (final norm applied)
+
+The graph keeps ``vla_accel::write_kv`` and ``vla_accel::attend`` as single nodes (the custom
+ops of ``vla_accel_ros.kernels.ops``), which is where a TensorRT plugin replaces them (README,
+"The TensorRT path"). A saved program is torch.export's ``.pt2`` archive: a zip of the graph in
+JSON and the weights as raw tensor bytes (no pickle: the example inputs, which it would store
+with torch.save, are dropped); loading it needs this package imported so
+the two ops are registered.
+
+Steps per family: ``ar``: ``prefill`` (the prefix of the default instruction) and ``decode``
+(one token); ``flow``: ``prefill`` and ``expert`` (the action chunk over the cached prefix).
+Only fp32 and bf16 components export: PyTorch's int8 dynamic linear holds packed weights that
+live in the exporting process (compiled graphs reach them through ``vla_accel::int8_linear``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vla_accel_ros.core.compiled import StaticStep
+from vla_accel_ros.core.engine import Engine
+from vla_accel_ros.core.errors import ConfigError
+
+INPUTS = ("x", "slots", "positions", "k_cache", "v_cache", "valid", "allowed")
+
+
+def step_inputs(engine: Engine, slots: torch.Tensor, positions: torch.Tensor | None = None, x: torch.Tensor | None = None) -> tuple:
+    """The step's arguments over ``engine``'s cache (the cache tensors themselves, not copies)."""
+    c = engine.cache
+    if x is None:
+        x = torch.zeros(1, slots.numel(), engine.stack.hidden_size, dtype=engine.dtype, device=engine.device)
+    positions = slots if positions is None else positions
+    return (x, slots, positions, c.k, c.v, c.valid, c.allowed)
+
+
+def export_step(engine: Engine, slots: torch.Tensor, positions: torch.Tensor | None = None) -> torch.export.ExportedProgram:
+    """``engine``'s static step for ``slots.numel()`` rows as an ExportedProgram (the example
+    inputs are copies: exporting never writes the engine's cache)."""
+    if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in engine.stack.model.modules()):
+        # The int8 layers are an op over packed weights held by this process: not portable.
+        raise ConfigError("int8 components do not export (their packed weights live in this process); use fp32 or bf16")
+    step = StaticStep(engine.stack, engine.cos, engine.sin).eval()
+    args = tuple(a.clone() for a in step_inputs(engine, slots, positions))
+    with torch.inference_mode(False), torch.no_grad():
+        try:
+            ep = torch.export.export(step, args)
+        except Exception as e:  # torch.export raises many types; say which layer kind blocked it
+            raise ConfigError(f"torch.export of the {slots.numel()}-row step failed ({type(e).__name__}: {e}); "
+                              "int8 components do not export, use fp32 or bf16") from e  # fmt: skip
+    # torch.export.save would pickle the example inputs (torch.save): the program keeps none.
+    ep.example_inputs = None
+    return ep
+
+
+def policy_steps(policy) -> dict[str, tuple[Engine, torch.Tensor]]:
+    """The static steps of a policy: name -> (engine, example slots)."""
+    spec = policy.spec
+    layout, _ = policy.layout_for(spec.default_instruction)
+    policy.prepare_cache(layout)
+    prefix = torch.arange(layout.length)
+    if spec.family == "ar":
+        return {"prefill": (policy.engine, prefix), "decode": (policy.engine, torch.tensor([layout.length]))}
+    chunk = torch.arange(layout.length, layout.length + spec.chunk_size)
+    return {"prefill": (policy.vlm_engine, prefix), "expert": (policy.expert_engine, chunk)}
+
+
+def export_policy(policy) -> dict[str, torch.export.ExportedProgram]:
+    return {name: export_step(engine, slots) for name, (engine, slots) in policy_steps(policy).items()}
+
+
+def save_programs(programs: dict[str, torch.export.ExportedProgram], out: str | Path, meta: dict[str, Any]) -> list[Path]:
+    """``<name>.pt2`` per program and ``export.json`` (inputs, shapes, ops, ``meta``)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths, steps = [], {}
+    for name, ep in programs.items():
+        path = out / f"{name}.pt2"
+        torch.export.save(ep, path)
+        paths.append(path)
+        user = [s for s in ep.graph_signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+        shapes = [list(n.meta["val"].shape) for n in ep.graph.nodes if n.op == "placeholder" and n.name in {s.arg.name for s in user}]
+        steps[name] = {"file": path.name, "inputs": dict(zip(INPUTS, shapes)), "custom_ops": custom_ops(ep)}
+    manifest = out / "export.json"
+    manifest.write_text(json.dumps({**meta, "steps": steps}, indent=2) + "\n")
+    return [*paths, manifest]
+
+
+def custom_ops(ep: torch.export.ExportedProgram) -> dict[str, int]:
+    """How many calls of each ``vla_accel`` op the graph holds."""
+    counts: dict[str, int] = {}
+    for node in ep.graph.nodes:
+        name = str(node.target)
+        if node.op == "call_function" and name.startswith("vla_accel."):
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def check_program(program: torch.export.ExportedProgram, engine: Engine, slots: torch.Tensor, seed: int = 0) -> float:
+    """max |program - engine| over the final hidden states of ``slots`` on the same random rows
+    and the same cache state (the engine's cache as it is; the program writes a copy of it,
+    the engine then its own cache)."""
+    from vla_accel_ros.core.engine import StepPlan
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, slots.numel(), engine.stack.hidden_size, generator=g).to(engine.dtype)
+    args = tuple(a.clone() for a in step_inputs(engine, slots, x=x))
+    with torch.inference_mode():
+        got = program.module()(*args)
+    ref = engine.forward(x, StepPlan(slots=slots, positions=slots, output_slots=slots)).hidden
+    return float((got - ref).abs().max())

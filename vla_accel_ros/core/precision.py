@@ -1,0 +1,121 @@
+"""Numeric precision per model component, the compile switch, and the gate's precision limits.
+
+Components: ``vision`` (the SigLIP tower), ``projector``, ``lm`` (the decoder layers of the
+language model; embeddings and the final norm stay fp32), ``expert`` (flow: the action
+expert's decoder layers) and ``heads`` (the small input / output layers: state projection,
+flow's action and time layers; an ar bundle's action rows of ``lm_head`` stay fp32).
+
+Precisions (applied to every ``nn.Linear`` of a component; norms, rotary tables, attention,
+the residual stream and the KV cache stay fp32, so a component's error cannot leak into a
+discrete index such as a position):
+
+* ``fp32``: as trained, the reference;
+* ``bf16``: bf16 weights, inputs cast to bf16 at each matmul and outputs back to fp32 (oneDNN
+  with AMX / AVX512-BF16: the fastest for many rows, e.g. a 274-row prefill);
+* ``int8``: int8 weights (per output channel) with dynamic per-row int8 activations through
+  PyTorch's quantized dynamic linear (fbgemm / oneDNN, the VNNI path): the fastest for a
+  few rows (ar decode), about 4x less weight traffic than fp32. No backward: a flow expert in
+  int8 cannot run Real-Time Chunking guidance;
+* ``auto``: the family's measured default (:data:`FAMILY_DEFAULTS`).
+
+Every reduced-precision configuration passes the parity gate against the fp32 reference of the
+same bundle (``gate_*`` limits below) or the policy refuses to start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "int8")
+COMPONENTS = ("vision", "projector", "lm", "expert", "heads")
+
+# Measured on the small demo bundles on a 2-core Xeon (AMX, AVX512-BF16, VNNI), fastest
+# obs-to-action within the gate's default limits; see the README's "Runtime" section.
+FAMILY_DEFAULTS: dict[str, dict[str, str]] = {
+    "ar": {"vision": "bf16", "projector": "bf16", "lm": "int8", "expert": "fp32", "heads": "fp32"},
+    "flow": {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"},
+}
+
+# Named presets for the replay / eval mode suffix (``baseline@bf16``): overrides of
+# PrecisionConfig. ``bf16`` / ``int8`` reduce the LM and the action expert only.
+PRESETS: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "bf16": {"lm": "bf16", "expert": "bf16"},
+    "int8": {"lm": "int8", "expert": "int8"},
+    "auto": {c: "auto" for c in COMPONENTS},
+}
+
+
+def _component(name: str) -> Any:
+    return param(
+        "fp32",
+        doc=f"precision of the {name} component: fp32 | bf16 | int8 (dynamic activations) | auto (the family's "
+        "measured default); the parity gate checks it against fp32",
+        choices=(*PRECISIONS, "auto"),
+        read_only=True,
+    )
+
+
+@dataclass(frozen=True)
+class PrecisionConfig(Config):
+    vision: str = _component("vision tower")
+    projector: str = _component("projector")
+    lm: str = _component("language model (decoder layers)")
+    expert: str = _component("flow action expert (decoder layers)")
+    heads: str = _component("heads (state projection; flow action / time layers)")
+    compile: bool = param(
+        False,
+        doc="run the engine's static-shape steps (full prefill, ar decode, flow expert step) as torch.compile'd "
+        "graphs over the custom ops; other steps (partial recompute, pruning, guidance) stay eager",
+        read_only=True,
+    )
+    gate_ar_min_identical_tokens: float = param(
+        0.99,
+        doc="ar, reduced precision: least share of action tokens identical to the fp32 reference on the gate's frames",
+        range=(0.0, 1.0),
+    )
+    gate_ar_max_abs: float = param(
+        0.05,
+        doc="ar, reduced precision: largest |action - fp32 action| on the gate's frames, in action units (rad, "
+        "normalized gripper)",
+        range=(0.0, 1e3),
+    )
+    gate_flow_max_over_std: float = param(
+        0.02,
+        doc="flow, reduced precision: largest |action - fp32 action| / action std on the gate's frames (same noise)",
+        range=(0.0, 100.0),
+    )
+
+    def resolve(self, family: str) -> "PrecisionConfig":
+        """``auto`` replaced by the family's default; ``expert`` is fp32 for families without one."""
+        if family not in FAMILY_DEFAULTS:
+            raise ConfigError(f"no precision defaults for family {family!r}")
+        defaults = FAMILY_DEFAULTS[family]
+        values = {c: defaults[c] if getattr(self, c) == "auto" else getattr(self, c) for c in COMPONENTS}
+        if family != "flow":
+            values["expert"] = "fp32"
+        return self.replace(**values)
+
+    def components(self) -> dict[str, str]:
+        return {c: getattr(self, c) for c in COMPONENTS}
+
+    @property
+    def reduced(self) -> bool:
+        """Some component runs below fp32 (``auto`` counts: it resolves to a reduced one)."""
+        return any(p != "fp32" for p in self.components().values())
+
+    def label(self) -> str:
+        """Short description, e.g. ``lm=int8,expert=bf16`` (``fp32`` when nothing is reduced)."""
+        reduced = [f"{c}={p}" for c, p in self.components().items() if p != "fp32"]
+        return ",".join(reduced) or "fp32"
+
+
+def preset(name: str) -> dict[str, Any]:
+    """The PrecisionConfig overrides of a named preset (ConfigError naming the choices)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown precision preset {name!r}; choose from {', '.join(PRESETS)}")
+    return dict(PRESETS[name])
