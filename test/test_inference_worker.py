@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -185,6 +186,23 @@ def test_a_planner_that_fails_to_build_or_a_failing_step_never_stops_the_loop():
     assert w.errors == 1 and drops.count("inference_error") == 1 and any("KeyError" in t for _, t in logs)
     assert any("not applied" in t and "RuntimeError" in t for _, t in logs) and w.cfg.policy == PolicyConfig()
     assert w.last_chunk_at is not None and w.since_last_chunk_s() >= 0.0 and w.running_s() == 0.0
+
+
+def test_health_says_loading_ready_slow_and_dead_worker():
+    """The diagnostics' verdict (ROS-free): loading until ready, ERROR when the policy failed or
+    the thread died without being stopped, WARN while one inference runs too long."""
+    w, _policy, _drops, _logs = _worker(slow_inference_s=0.5)
+    assert w.health(failure="", alive=True, ready=False)[:2] == ("warn", "loading the bundle")
+    level, message, values = w.health(failure="", alive=True, ready=True)
+    assert (level, message) == ("ok", "ready") and values["worker alive"] and values["chunks"] == 0
+    assert w.health(failure="", alive=False, ready=True)[0] == "error"  # died, nobody stopped it
+    assert w.health(failure="BundleError: no such bundle", alive=False, ready=False)[1].endswith("no such bundle")
+    w.busy_since = time.monotonic() - 2.0  # an inference started 2 s ago
+    level, message, _ = w.health(failure="", alive=True, ready=True)
+    assert level == "warn" and "slow_inference_s" in message
+    w.busy_since = None
+    w.stop()
+    assert w.health(failure="", alive=False, ready=True)[0] == "ok"  # stopped on purpose
 
 
 def test_an_instruction_too_long_for_the_model_is_refused_and_the_previous_one_stays():

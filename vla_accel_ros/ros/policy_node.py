@@ -38,7 +38,6 @@ from vla_accel_ros.core.errors import ConfigError, VlaAccelError
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig
 from vla_accel_ros.core.robot.inference import InferenceWorker, Request, Served
-from vla_accel_ros.core.robot.motion import MODE_NAMES
 from vla_accel_ros.core.robot.observation import AssembledObservation, ObservationChannel, SharedChannels
 from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest, InferenceStats, MotionState
@@ -202,41 +201,9 @@ class PolicyNode(Node):
 
     # -- diagnostics --------------------------------------------------------------------------
     def _publish_diagnostics(self) -> None:
-        w = self.worker
-        running = w.running_s()
-        if self.failure:
-            level, message = ERROR, f"not running: {self.failure}"
-        elif not self._thread.is_alive() and not w.stopped:
-            level, message = ERROR, "not running: the inference worker stopped"
-        elif not self.ready:
-            level, message = WARN, "loading the bundle"
-        elif running > w.cfg.slow_inference_s:
-            level, message = WARN, f"one inference has run for {running:.1f} s (> slow_inference_s {w.cfg.slow_inference_s:g})"
-        elif w.errors:
-            level, message = WARN, f"{w.errors} inference errors"
-        else:
-            level, message = OK, "ready"
-        values = {
-            "ready": self.ready,
-            "bundle": w.cfg.bundle,
-            "trigger": w.cfg.trigger,
-            "worker alive": self._thread.is_alive(),
-            "s since last chunk": w.since_last_chunk_s(),
-            "inference running s": running,
-            "errors": w.errors,
-            "chunks": w.chunks,
-            "inference ms p50": w.infer_ms.get(50),
-            "obs-to-chunk ms p50": w.latency.get(50),
-            "obs-to-chunk ms p95": w.latency.get(95),
-            "cache resets": w.resets_total,
-            "motion mode": MODE_NAMES.get(w.motion_mode, "?"),
-            "requests overwritten": w.requests.overwritten,
-            "requests served newer": w.superseded,
-        }
-        if w.cfg.trigger == "pipelined" and w.pipeline is not None:
-            values.update({"pipeline depth": w.pipeline.depth, "pipeline in flight": w.pipeline.in_flight,
-                           "staleness ms p50": w.staleness_ms.get(50)})  # fmt: skip
+        level, message, values = self.worker.health(failure=self.failure, alive=self._thread.is_alive(), ready=self.ready)
         values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
+        level = {"ok": OK, "warn": WARN, "error": ERROR}[level]
         self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: policy", level, message, values)]))
 
     def reset_stats(self) -> None:

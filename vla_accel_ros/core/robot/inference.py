@@ -184,6 +184,45 @@ class InferenceWorker:
         since = self.busy_since
         return 0.0 if since is None else time.monotonic() - since
 
+    def health(self, *, failure: str, alive: bool, ready: bool) -> tuple[str, str, dict[str, object]]:
+        """What diagnostics say of the worker: level ("ok", "warn" or "error"), message, values.
+        ``failure``: why the policy or the worker ended ("" when neither did); ``alive``: the
+        worker's thread runs; ``ready``: the bundle has loaded."""
+        running = self.running_s()
+        if failure:
+            level, message = "error", f"not running: {failure}"
+        elif not alive and not self.stopped:
+            level, message = "error", "not running: the inference worker stopped"
+        elif not ready:
+            level, message = "warn", "loading the bundle"
+        elif running > self.cfg.slow_inference_s:
+            level, message = "warn", f"one inference has run for {running:.1f} s (> slow_inference_s {self.cfg.slow_inference_s:g})"
+        elif self.errors:
+            level, message = "warn", f"{self.errors} inference errors"
+        else:
+            level, message = "ok", "ready"
+        values: dict[str, object] = {
+            "ready": ready,
+            "bundle": self.cfg.bundle,
+            "trigger": self.cfg.trigger,
+            "worker alive": alive,
+            "s since last chunk": self.since_last_chunk_s(),
+            "inference running s": running,
+            "errors": self.errors,
+            "chunks": self.chunks,
+            "inference ms p50": self.infer_ms.get(50),
+            "obs-to-chunk ms p50": self.latency.get(50),
+            "obs-to-chunk ms p95": self.latency.get(95),
+            "cache resets": self.resets_total,
+            "motion mode": MODE_NAMES.get(self.motion_mode, "?"),
+            "requests overwritten": self.requests.overwritten,
+            "requests served newer": self.superseded,
+        }
+        if self.cfg.trigger == "pipelined" and self.pipeline is not None:
+            values.update({"pipeline depth": self.pipeline.depth, "pipeline in flight": self.pipeline.in_flight,
+                           "staleness ms p50": self.staleness_ms.get(50)})  # fmt: skip
+        return level, message, values
+
     # -- the loop -------------------------------------------------------------------------------
     def run(self, take_pending: Callable[[], PolicyNodeConfig | None], publish: Callable[[Served], None], now_ns: Callable[[], int]) -> None:
         """The worker thread, until :meth:`stop`: apply what was set, take the next job, infer,
