@@ -41,3 +41,42 @@ def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
         assert m["latency_ms"]["p50"] > 0 and m["inferences_per_episode"] >= 1
         assert m["open_loop_error"]["mean_abs_rad"] > 0 and m["open_loop_error"]["chunks"] == 2
     assert (out / "report.md").is_file() and (out / "success.png").is_file()
+
+
+# -- through the ROS graph (--through-ros): real nodes over DDS, the real simulator ---------------
+@pytest.mark.ros
+def test_eval_through_the_ros_graph_reports_each_mode(tiny_bundles, ros_params_file, ros_domain, tmp_path):
+    """One 20-step episode per mode, the whole graph in this process (bringup --one-process):
+    the simulator's outcome, its per-episode record (same seed as the ROS-free path) and the
+    policy node's InferenceStats land in modes.<mode>.ros_graph; the ROS-free keys stay."""
+    pytest.importorskip("rclpy")
+    pytest.importorskip("gym_aloha")
+    out = tmp_path / "report"
+    argv = ["eval", "--bundle", str(tiny_bundles["flow"]), "--episodes", "1", "--steps", "20", "--modes",
+            "baseline,cache", "--report", str(out), "--open-loop-episodes", "0", "--height", "120", "--width", "160",
+            "--no-progress", "--no-plots", "--threads", "1", "--params", str(ros_params_file), "--no-parity",
+            "--through-ros", "--one-process", "--domain-id", str(ros_domain), "--seed", "100007"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["ros_graph"]["layout"] == "one process" and report["seeds"] == [100007]
+    for mode in ("baseline", "cache"):
+        m = report["modes"][mode]
+        assert m["episodes"] == 1 and "latency_ms" in m  # the ROS-free run is still there
+        g = m["ros_graph"]
+        assert g["episodes"] == 1 and g["successes"] in (0, 1) and g["success_rate"] in (0.0, 1.0)
+        lo, hi = g["success_ci95"]
+        assert 0.0 <= lo <= g["success_rate"] <= hi <= 1.0
+        assert g["per_episode"][0]["seed"] == 100007 and g["mean_reward"] == g["per_episode"][0]["max_reward"]
+        assert g["chunks"] >= 1 and g["latency_ms"]["p50"] > 0 and g["latency_ms"]["p95"] >= g["latency_ms"]["p50"]
+        assert g["sim_steps"] >= 20 and g["policy_errors"] == 0
+    assert "ROS graph" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("mode", ["transformers", "pipelined"])
+def test_eval_through_ros_refuses_a_mode_the_graph_cannot_run(mode, tiny_bundles, tmp_path, capsys):
+    argv = ["eval", "--bundle", str(tiny_bundles["ar"]), "--episodes", "1", "--modes", f"baseline,{mode}",
+            "--report", str(tmp_path / "r"), "--through-ros"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"mode {mode!r} cannot run through the ROS graph" in err
+    assert not (tmp_path / "r").exists()  # refused before any episode ran

@@ -63,6 +63,12 @@ class EvalConfig:
     pipeline_depth: int = 4  # pipelined modes: frames in flight (the decode steps per frame follow)
     pipeline_steps: int = 0
     stream_every: int = 1  # pipelined modes: ticks between two observations pushed
+    # Also through the ROS graph (vla-accel eval --through-ros): per mode, modes.<mode>.ros_graph.
+    through_ros: bool = False
+    ros_one_process: bool = False  # every node in one process (bringup --one-process) instead of one each
+    ros_domain_id: int | None = None
+    ros_startup_timeout_s: float = 300.0
+    ros_episode_timeout_s: float = 600.0
 
     def validate(self) -> None:
         from vla_accel_ros.sim.aloha import TASK_NAMES
@@ -81,7 +87,10 @@ class EvalConfig:
             raise ConfigError("--open-loop-episodes must be >= 0 and --open-loop-stride >= 1")
         if not Path(self.bundle).exists():
             raise ConfigError(f"--bundle {self.bundle} does not exist")
-        parse_modes(list(self.modes))
+        names = parse_modes(list(self.modes))
+        if self.through_ros:
+            for name in names:
+                graph_params(name, self)  # ConfigError: a mode the graph cannot run
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -274,6 +283,99 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
     return EpisodeResult(
         seed, robot.success, robot.reward, len(latencies), latencies, loop.holding_fraction(), fine / cfg.steps
     )
+
+
+# ------------------------------------------------------------------------- through the ROS graph
+
+ROS_GRAPH = "ros_graph"  # report.json: modes.<mode>.ros_graph holds the mode's run through the graph
+
+
+def graph_params(name: str, cfg: EvalConfig) -> dict[str, Any]:
+    """The graph's parameter file (``cfg.params`` or config/aloha.yaml) with the policy node's
+    ``policy`` section replaced by mode ``name``'s configuration as the ROS-free path builds it
+    (defaults and the mode's fields, not the file's section). ConfigError for a mode the graph
+    cannot run."""
+    import copy
+
+    from vla_accel_ros.bench.replay import _policy_config, mode_of
+    from vla_accel_ros.core.config import flatten, unflatten
+    from vla_accel_ros.core.params_file import default_params_file, load_params
+    from vla_accel_ros.core.policy_config import PolicyConfig
+
+    mode = mode_of(name)
+    if mode.reference:
+        raise ConfigError(
+            f"mode {name!r} cannot run through the ROS graph: the policy node runs the engine, not transformers' "
+            "reference forward; evaluate it without --through-ros"
+        )
+    if mode.pipelined:
+        raise ConfigError(
+            f"mode {name!r} cannot run through the ROS graph here: --through-ros runs request-triggered modes "
+            "(the policy node's trigger: request); evaluate pipelined modes without --through-ros"
+        )
+    defaults = flatten(PolicyConfig())
+    policy: dict[str, Any] = {}
+    for key, value in flatten(_policy_config(mode, cfg)).items():
+        if isinstance(value, (list, tuple)) and not value:
+            # rcl reads [] as a byte array, so an empty list stays out of the file and the node
+            # falls back to the field's default: right only when that default is empty too.
+            if defaults[key]:
+                raise ConfigError(
+                    f"mode {name!r} sets policy.{key} to an empty list, which a ROS parameter file cannot carry "
+                    f"(the node would run {list(defaults[key])}); evaluate it without --through-ros"
+                )
+            continue
+        policy[key] = list(value) if isinstance(value, tuple) else value
+    params = copy.deepcopy(load_params(cfg.params or default_params_file()))
+    section = params.setdefault("policy_node", {}).setdefault("ros__parameters", {})
+    section["policy"] = unflatten(policy)
+    return params
+
+
+def graph_sim_parameters(cfg: EvalConfig) -> dict[str, Any]:
+    """aloha_sim_node's parameters for the evaluation's episodes: same task, seeds, length and
+    render size as the ROS-free path. Lockstep with the file's ``command_timeout_ms``: before
+    the first chunk the controller holds and commands nothing, so a long timeout would only
+    stall those steps (missed ticks are counted in ``lockstep_timeouts``). ``latency="zero"``:
+    sim time also holds while a chunk is computed (``policy_sync``), else it runs in real time
+    while the policy infers."""
+    zero = cfg.latency == "zero"
+    return {
+        "task": cfg.task, "seed": cfg.seed, "episode_steps": cfg.steps, "height": cfg.height, "width": cfg.width,
+        "lockstep": True, "wait_for_policy": True, "auto_reset": True,
+        "reset_policy": True, "policy_sync": zero, "policy_timeout_ms": 600_000.0,
+        "real_time_factor": 0.0 if zero else 1.0,
+    }  # fmt: skip
+
+
+def summarize_graph_mode(
+    episodes: int, summary: dict[str, Any], outcomes: list[bool], inference_ms: list[float], startup_s: float, wall_s: float
+) -> dict[str, Any]:
+    """``modes.<mode>.ros_graph``: the outcomes the simulator published, its per-episode record
+    (seed, best grade) and the policy node's InferenceStats."""
+    sim = summary.get("aloha_sim_node") or {}
+    pol = summary.get("policy_node") or {}
+    per_episode = list(sim.get("episode_results") or [])[:episodes]
+    ok = sum(bool(x) for x in outcomes)
+    n = len(outcomes)
+    return {
+        "episodes": n,
+        "successes": ok,
+        "success_rate": ok / n if n else float("nan"),
+        "success_ci95": list(wilson_interval(ok, n)),
+        "mean_reward": float(np.mean([e["max_reward"] for e in per_episode])) if per_episode else None,
+        # What the policy node computed per chunk (InferenceStats.total_ms): the measure of the
+        # ROS-free path's latency_ms; obs_to_chunk_wall_ms adds the graph (camera, request, DDS).
+        "latency_ms": distribution(inference_ms) if inference_ms else {"p50": float("nan"), "p95": float("nan")},
+        "obs_to_chunk_wall_ms": {"p50": sim.get("obs_to_chunk_wall_p50_ms"), "p95": sim.get("obs_to_chunk_wall_p95_ms")},
+        "chunks": len(inference_ms),
+        "policy_errors": pol.get("errors"),
+        "sim_steps": sim.get("steps"),
+        "lockstep_timeouts": sim.get("lockstep_timeouts"),
+        "startup_s": round(startup_s, 1),
+        "wall_s": round(wall_s, 1),
+        "per_episode": per_episode,
+    }
 
 
 # ------------------------------------------------------------------------------ open loop

@@ -28,6 +28,27 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     return out
 
 
+ROS_HEADER = ["mode", "success (ROS graph)", "95% CI", "mean reward", "p50 ms", "p95 ms", "obs->chunk wall p50 / p95 ms", "chunks"]
+
+
+def ros_rows(result: dict[str, Any]) -> list[list[str]]:
+    """The --through-ros run of every mode (modes.<mode>.ros_graph), or no rows."""
+    out = []
+    for name in result["mode_order"]:
+        g = result["modes"][name].get("ros_graph")
+        if not g:
+            continue
+        lo, hi = g["success_ci95"]
+        wall = g["obs_to_chunk_wall_ms"]
+        out.append([
+            name, f"{g['successes']}/{g['episodes']}", f"[{100 * lo:.0f}, {100 * hi:.0f}]%",
+            "-" if g["mean_reward"] is None else f"{g['mean_reward']:.2f}",
+            f"{g['latency_ms']['p50']:.1f}", f"{g['latency_ms']['p95']:.1f}", f"{wall['p50']} / {wall['p95']}",
+            str(g["chunks"]),
+        ])  # fmt: skip
+    return out
+
+
 def title(result: dict[str, Any]) -> str:
     b = result["bundle"]
     return (
@@ -38,7 +59,9 @@ def title(result: dict[str, Any]) -> str:
 
 
 def headline_text(result: dict[str, Any]) -> str:
-    return title(result) + "\n" + _text_table(HEADER, rows(result))
+    text = title(result) + "\n" + _text_table(HEADER, rows(result))
+    ros = ros_rows(result)
+    return text + ("\n" + _text_table(ROS_HEADER, ros) if ros else "")
 
 
 def markdown(result: dict[str, Any], plots: list[str]) -> str:
@@ -57,6 +80,16 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         "normalized), and as a fraction of each joint's range.",
         "",
     ]
+    ros = ros_rows(result)
+    if ros:
+        parts += [
+            f"Through the ROS graph ({result['ros_graph']['layout']}): the same seeds, aloha_sim_node in lockstep with "
+            "the controller, the policy node built with the mode's parameters. Latency: the policy node's "
+            "InferenceStats total; obs->chunk wall: the simulator's frame out to the chunk back, over DDS.",
+            "",
+            _md_table(ROS_HEADER, ros),
+            "",
+        ]
     parts += [f"![{p}]({p})" for p in plots]
     return "\n".join(parts) + "\n"
 

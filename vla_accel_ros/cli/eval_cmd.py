@@ -47,6 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="override a PrecisionConfig field (a gate limit) in every @precision mode",
     )  # fmt: skip
     p.add_argument("--no-parity", action="store_true", help="skip the parity gate")
+    p.add_argument(
+        "--through-ros", action="store_true",
+        help="also run every mode's episodes through the ROS graph (aloha_sim_node in lockstep, policy_node, "
+        "action_controller_node, camera_node; same seeds): modes.<mode>.ros_graph in report.json",
+    )  # fmt: skip
+    p.add_argument("--one-process", action="store_true", help="--through-ros: every node in this process (bringup --one-process)")
+    p.add_argument("--domain-id", type=int, default=None, help="--through-ros: ROS_DOMAIN_ID of the graph (default: the environment's)")
+    p.add_argument("--ros-episode-timeout", type=float, default=600.0, metavar="S",
+                   help="--through-ros: give up when no episode ends for S seconds of wall time")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_eval)
@@ -65,11 +74,49 @@ def _eval(args: argparse.Namespace) -> int:
         num_threads=args.threads, flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
         precision_overrides=parse_overrides(args.precision, "--precision"), height=args.height, width=args.width,
         pipeline_depth=args.pipeline_depth, pipeline_steps=args.pipeline_steps, stream_every=args.stream_every,
+        through_ros=args.through_ros, ros_one_process=args.one_process, ros_domain_id=args.domain_id,
+        ros_episode_timeout_s=args.ros_episode_timeout,
     )  # fmt: skip
     cfg.validate()
     command = shlex.join(["vla-accel", "eval", *sys.argv[2:]]) if len(sys.argv) > 1 and sys.argv[1] == "eval" else ""
     result = run_eval(cfg, progress=not args.no_progress, command=command)
+    if cfg.through_ros:
+        _through_ros(cfg, result)
     paths = write_report(result, args.report, plots=not args.no_plots)
     print(headline_text(result))
     print(f"report: {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def _through_ros(cfg, result: dict) -> None:
+    """Every mode again, through the graph ``vla-accel bringup --sim`` starts, from a copy of
+    the parameter file holding the mode's policy configuration: ``modes.<mode>.ros_graph``."""
+    import tempfile
+
+    import yaml
+
+    from vla_accel_ros.bench.eval import ROS_GRAPH, graph_params, graph_sim_parameters, summarize_graph_mode
+    from vla_accel_ros.core.errors import ConfigError
+    from vla_accel_ros.ros.graph import SIM, describe
+
+    try:
+        from vla_accel_ros.ros.episodes import run_episodes  # noqa: PLC0415 - imports rclpy
+    except ImportError as e:
+        raise ConfigError(f"--through-ros needs rclpy ({e}); run `make setup` or source a ROS 2 install") from e
+    layout = "one process" if cfg.ros_one_process else "one process per node"
+    with tempfile.TemporaryDirectory(prefix="vla_eval_ros_") as tmp:
+        for name in result["mode_order"]:
+            params_file = Path(tmp) / f"{name}.yaml"
+            params_file.write_text(yaml.safe_dump(graph_params(name, cfg)))
+            graph = describe(params_file=params_file, bundle=cfg.bundle, sim=True, shared_observations=cfg.ros_one_process)
+            graph = graph.with_parameters({SIM: graph_sim_parameters(cfg)})
+            print(f"{name}: through the ROS graph ({layout}), {cfg.episodes} episode(s)", file=sys.stderr)
+            res = run_episodes(
+                graph, cfg.episodes, one_process=cfg.ros_one_process, domain_id=cfg.ros_domain_id,
+                startup_timeout_s=cfg.ros_startup_timeout_s, episode_timeout_s=cfg.ros_episode_timeout_s,
+                log=lambda text: print(text, file=sys.stderr),
+            )  # fmt: skip
+            result["modes"][name][ROS_GRAPH] = summarize_graph_mode(
+                cfg.episodes, res.summary, res.outcomes, res.inference_ms, res.startup_s, res.wall_s
+            )
+    result[ROS_GRAPH] = {"layout": layout, "sim_parameters": graph_sim_parameters(cfg)}

@@ -209,6 +209,7 @@ class AlohaSimNode(Node):
         elif s["lockstep_timeouts"] and s["steps"] and s["lockstep_timeouts"] > 0.5 * s["steps"]:
             level, message = WARN, "most steps went on without a command (is the controller commanding?)"
         values = dict(s)
+        values.pop("episode_results")  # grows with every episode; the counts above say enough
         values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
         self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: simulator", level, message, values)]))
 

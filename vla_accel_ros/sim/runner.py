@@ -442,5 +442,6 @@ class SimRunner:
             "successes": e.successes,
             "reward": e.reward,
             "best_reward": e.best_reward,
+            "episode_results": list(e.results),
             "failure": self.failure,
         }
