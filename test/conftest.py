@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
 os.environ.setdefault("MUJOCO_GL", "egl")
+# A suite started in a script's background inherits SIGINT ignored, and so would every process
+# it starts; the tests stop nodes, bringup and the recorder with SIGINT as a launcher does.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

@@ -522,3 +522,25 @@ def test_ctrl_c_while_a_node_starts_ends_it_without_a_traceback(ros_params_file)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "Traceback" not in out, line + out
+
+
+def test_a_recorder_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
+    """A script's background job inherits SIGINT ignored; the recorder must still end (and
+    close its bag) on the SIGINT a launcher or the user sends."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "vla_accel_ros.cli", "record", "--out", str(tmp_path / "bag"),
+           "--domain-id", str(random.SystemRandom().randint(1, 100))]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    line = proc.stdout.readline()  # "recording N topics ...": it spins
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert "recording" in line and "nothing was recorded" in out and "Traceback" not in out, line + out
+    assert (tmp_path / "bag" / "metadata.yaml").is_file()  # closed in order

@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         from vla_accel_ros.ros import bringup, processes  # noqa: PLC0415 - imports rclpy
+        from vla_accel_ros.ros.common import stop_on_sigint  # noqa: PLC0415
     except ImportError as e:
         print(f"vla-accel bringup needs rclpy ({e}); run `make setup` or source a ROS 2 install")
         return 2
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     layout = "one process" if args.one_process else "one process per node"
     print(f"parameters {graph.params_file}; nodes ({layout}): {', '.join(n.name for n in graph.nodes)}")
+    stop_on_sigint()  # Ctrl-C ends the graph in order, also when started in a script's background
     running = (bringup if args.one_process else processes).start(graph, domain_id=args.domain_id)
     summary: dict[str, object] = {}
     code = 0

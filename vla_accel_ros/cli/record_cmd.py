@@ -8,6 +8,7 @@ layout ``vla-accel sim record`` writes, so ``vla-accel replay`` reads the result
 from __future__ import annotations
 
 import argparse
+import signal
 import time
 from pathlib import Path
 
@@ -55,9 +56,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         import rclpy  # noqa: PLC0415
         from rclpy.context import Context  # noqa: PLC0415
-        from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor  # noqa: PLC0415
+        from rclpy.executors import ExternalShutdownException  # noqa: PLC0415
         from rclpy.parameter import Parameter  # noqa: PLC0415
 
+        from vla_accel_ros.ros.common import make_executor, stop_on_sigint  # noqa: PLC0415
         from vla_accel_ros.ros.recorder import RecorderNode  # noqa: PLC0415
     except ImportError as e:
         print(f"vla-accel record needs rclpy ({e}); run `make setup` or source a ROS 2 install")
@@ -69,31 +71,34 @@ def run(args: argparse.Namespace) -> int:
         Parameter("compress", value=args.storage == "mcap" and not args.no_compress),
         Parameter("clock", value=args.clock),
     ]
+    stop_on_sigint()  # Ctrl-C ends the recording, also when started in a script's background
     context = Context()
     rclpy.init(context=context, domain_id=args.domain_id)
-    node = None
+    node = executor = None
+    counts: dict[str, int] = {}
+    missing: list[str] = []
+    why: dict[str, str] = {}
     try:
         kwargs = dict(context=context, parameter_overrides=overrides)
         if args.namespace:
             kwargs["namespace"] = args.namespace
         node = RecorderNode(**kwargs)
-        executor = SingleThreadedExecutor(context=context)
+        executor = make_executor(1, context)
         executor.add_node(node)
         print(f"recording {len(topics)} topics to {args.out} ({args.storage}); " + ("Ctrl-C stops" if args.duration is None else f"{args.duration:g} s"))
         deadline = None if args.duration is None else time.monotonic() + args.duration
-        try:
-            while context.ok() and (deadline is None or time.monotonic() < deadline):
-                executor.spin_once(timeout_sec=0.1)
-        except (KeyboardInterrupt, ExternalShutdownException):
-            pass
-        node.close()
-        counts = dict(node.counts)
-        missing = node.missing()
-        why = dict(node.unrecordable)
-        executor.shutdown()
+        while context.ok() and (deadline is None or time.monotonic() < deadline):
+            executor.spin_once(timeout_sec=0.1)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass  # Ctrl-C, also while it starts: the bag is closed below
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the bag's closing short
         if node is not None:
             node.close()
+            counts, missing, why = dict(node.counts), node.missing(), dict(node.unrecordable)
+        if executor is not None:
+            executor.shutdown()
+        if node is not None:
             node.destroy_node()
         rclpy.try_shutdown(context=context)
     for topic in topics:

@@ -182,6 +182,26 @@ def _pop_option(argv: list[str], name: str) -> str | None:
     return None
 
 
+def stop_on_sigint() -> None:
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt in this process, whatever it inherited. A
+    process started in the background of a script inherits SIGINT ignored, and Python then
+    never installs its handler: a recorder or node started that way would ignore the SIGINT
+    a launcher or ``ros2 launch`` stops it with (rclcpp nodes install theirs regardless)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def make_executor(threads: int = 1, context=None) -> SingleThreadedExecutor | MultiThreadedExecutor:
+    """An executor built with SIGINT/SIGTERM held back: a Ctrl-C inside rclpy's constructor
+    would leave it half-built, and its ``__del__`` then prints a traceback."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        if threads > 1:
+            return MultiThreadedExecutor(num_threads=threads, context=context)
+        return SingleThreadedExecutor(context=context)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def spin_node(
     factory: Callable[..., Node], args: list[str] | None = None, *, threads: int = 4, prepare: Callable[[Node], None] | None = None
 ) -> None:
@@ -205,19 +225,13 @@ def spin_node(
     prefer_responsive_threads()
     return_freed_frames_to_the_system()
     reset = threading.Event()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop_on_sigint()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # the same orderly end as Ctrl-C
     signal.signal(signal.SIGUSR1, lambda *_: reset.set())
     rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
     node = executor = None
     try:
-        # A signal inside the executor's constructor would leave it half-built (rclpy's __del__
-        # then raises on a missing attribute), so it is built with SIGINT/SIGTERM held back.
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        executor = make_executor(threads)
         node = factory()
         executor.add_node(node)
         if prepare is not None:
