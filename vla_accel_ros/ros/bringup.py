@@ -22,7 +22,13 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from vla_accel_ros.core.robot.observation import SharedChannels
-from vla_accel_ros.ros.common import drain_executor, prefer_responsive_threads, return_freed_frames_to_the_system
+from vla_accel_ros.ros.common import (
+    drain_executor,
+    make_executor,
+    prefer_responsive_threads,
+    return_freed_frames_to_the_system,
+    wait_until_ready,
+)
 from vla_accel_ros.ros.graph import CAMERA, CONTROLLER, POLICY, SIM, Graph, NodeSpec
 
 
@@ -118,14 +124,9 @@ class RunningGraph:
         policy = self.nodes.get(POLICY)
         if policy is None:
             return ""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if policy.ready:
-                return ""
-            if policy.failure:
-                return f"the policy did not start: {policy.failure}"
-            time.sleep(0.05)
-        return f"the policy was not ready after {timeout:g} s"
+        return wait_until_ready(
+            lambda: policy.ready, lambda: f"the policy did not start: {policy.failure}" if policy.failure else "", timeout
+        )
 
     def reset_stats(self) -> None:
         """Zero the nodes' counters (the summary then covers only what follows)."""
@@ -177,7 +178,7 @@ def start(
                     f"expects that Node subclass for {spec.name}"
                 )
             running.nodes[spec.name] = cls(**node_kwargs(graph, spec, context))
-        running.executor = MultiThreadedExecutor(num_threads=threads, context=context)
+        running.executor = make_executor(threads, context)
         for node in running.nodes.values():
             running.executor.add_node(node)
     except BaseException:

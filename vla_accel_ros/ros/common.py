@@ -190,6 +190,20 @@ def stop_on_sigint() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def wait_until_ready(ready: Callable[[], bool], why_not: Callable[[], str], timeout: float) -> str:
+    """Poll until ``ready()``: '' then; ``why_not()`` as soon as it says something (the policy
+    failed, a process ended); a timeout message after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return ""
+        why = why_not()
+        if why:
+            return why
+        time.sleep(0.05)
+    return f"the policy was not ready after {timeout:g} s"
+
+
 def make_executor(threads: int = 1, context=None) -> SingleThreadedExecutor | MultiThreadedExecutor:
     """An executor built with SIGINT/SIGTERM held back: a Ctrl-C inside rclpy's constructor
     would leave it half-built, and its ``__del__`` then prints a traceback."""

@@ -39,7 +39,7 @@ from std_msgs.msg import Bool
 
 from vla_accel_ros.ros import qos
 from vla_accel_ros.ros.bringup import spin_until
-from vla_accel_ros.ros.common import SUMMARY_OUT
+from vla_accel_ros.ros.common import SUMMARY_OUT, make_executor, wait_until_ready
 from vla_accel_ros.ros.graph import POLICY, READY, Graph, NodeSpec
 
 STOP_TIMEOUT_S = 30.0  # a node that has not ended this long after Ctrl-C is killed
@@ -95,7 +95,7 @@ class ProcessGraph:
         node = self._monitor = Node("vla_bringup_monitor", context=self._context, namespace=self.graph.namespace or None)
         node.create_subscription(Bool, f"{POLICY}/{READY.removeprefix('~/')}", self._on_ready, qos.LATCHED)
         node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, qos.RELIABLE)
-        self._executor = SingleThreadedExecutor(context=self._context)
+        self._executor = make_executor(1, self._context)
         self._executor.add_node(node)
         self._thread = threading.Thread(
             target=spin_until, args=(self._executor, self._context, threading.Event()), name="bringup-monitor", daemon=True
@@ -123,17 +123,10 @@ class ProcessGraph:
         """Wait until the policy node is ready; '' when it is, else why not."""
         if POLICY not in self.processes:
             return ""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._ready:
-                return ""
-            if self._policy_error:
-                return f"the policy did not start: {self._policy_error}"
-            ended = self.exited()
-            if ended:
-                return ended
-            time.sleep(0.05)
-        return f"the policy was not ready after {timeout:g} s"
+        def why_not() -> str:
+            return f"the policy did not start: {self._policy_error}" if self._policy_error else self.exited()
+
+        return wait_until_ready(lambda: self._ready, why_not, timeout)
 
     def reset_stats(self) -> None:
         """Every node zeroes its counters (the summary then covers only what follows)."""
