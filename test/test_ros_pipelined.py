@@ -23,7 +23,7 @@ def test_pipelined_trigger_streams_chunks_with_their_staleness(tiny_bundles, ros
         graph = graph.with_parameters({POLICY: {"trigger": "pipelined", "pipeline_depth": 3}})
         running = bringup.start(graph, context=ctx, threads=6)
         probe = Probe(ctx)
-        running.executor.add_node(probe)
+        running.add_node("probe", probe)
         try:
             assert running.wait_ready(TIMEOUT) == ""
             wait_for(lambda: probe.count("stats") >= 4, what="4 pipelined inference stats")
@@ -37,6 +37,4 @@ def test_pipelined_trigger_streams_chunks_with_their_staleness(tiny_bundles, ros
             wait_for(lambda: "pipeline depth" in probe.diagnostics.get(f"{POLICY}: policy", {}), what="pipeline diagnostics")
             assert probe.diagnostics[f"{POLICY}: policy"]["pipeline depth"] == "3"
         finally:
-            running.executor.remove_node(probe)
             running.shutdown()
-            probe.destroy_node()

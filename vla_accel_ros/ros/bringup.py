@@ -59,6 +59,7 @@ class RunningGraph:
     thread: threading.Thread | None = None
     halt: threading.Event = field(default_factory=threading.Event)  # ends the spin thread
     started: float = 0.0
+    threads: int = 8  # of the executor's callback pool
 
     def add_node(self, name: str, node: Node) -> None:
         """Run one more node (not of the description, e.g. a recorder) on this graph's executor."""
@@ -89,17 +90,38 @@ class RunningGraph:
         return out
 
     def stop_node(self, name: str) -> None:
-        """Stop one node while the others keep running (tests: a policy that dies)."""
+        """Stop one node while the others keep running (tests: a policy that dies).
+
+        The executor is retired and the others move to a fresh one: rclpy's executor can resume
+        a wait-set build from a node list taken before ``remove_node`` (it yields queued tasks
+        first), so destroying a node under a live executor can raise InvalidHandle in the spin
+        thread and stop every other node's callbacks. No amount of waiting makes that safe."""
         node = self.nodes.pop(name)
-        if self.executor is not None:
-            self.executor.remove_node(node)
         close = getattr(node, "close", None)
         if close is not None:
             close()
-        # The executor rebuilds its wait set after remove_node; destroying the node's handles
-        # while an old wait set still holds them raises InvalidHandle in the spin thread.
-        time.sleep(0.3)
+        self._stop_spinning()
         node.destroy_node()
+        self._start_spinning()
+
+    def _stop_spinning(self) -> None:
+        self.halt.set()
+        if self.thread is not None:
+            self.thread.join(timeout=10.0)
+            if self.thread.is_alive():
+                raise RuntimeError("the executor thread did not stop within 10 s")
+        if self.executor is not None:
+            drain_executor(self.executor)
+
+    def _start_spinning(self) -> None:
+        self.executor = make_executor(self.threads, self.context)
+        for node in self.nodes.values():
+            self.executor.add_node(node)
+        self.halt = threading.Event()
+        self.thread = threading.Thread(
+            target=spin_until, args=(self.executor, self.context, self.halt), name="bringup-executor", daemon=True
+        )
+        self.thread.start()
 
     def shutdown(self) -> None:
         """Stop the workers, stop spinning, then destroy the nodes and the context."""
@@ -178,17 +200,12 @@ def start(
                     f"expects that Node subclass for {spec.name}"
                 )
             running.nodes[spec.name] = cls(**node_kwargs(graph, spec, context))
-        running.executor = make_executor(threads, context)
-        for node in running.nodes.values():
-            running.executor.add_node(node)
+        running.threads = threads
+        running.started = time.monotonic()
+        running._start_spinning()
     except BaseException:
         running.shutdown()
         raise
-    running.started = time.monotonic()
-    running.thread = threading.Thread(
-        target=spin_until, args=(running.executor, context, running.halt), name="bringup-executor", daemon=True
-    )
-    running.thread.start()
     return running
 
 
