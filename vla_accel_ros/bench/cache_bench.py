@@ -38,7 +38,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper-rule": {"max_relative_change": 1e6, "scene_cut_fraction": 0.0},
 }
 
-STAGES = ("preprocess", "select", "vision", "prefill", "decode", "denoise", "postprocess", "total")
+STAGES = ("preprocess", "select", "vision", "prefill", "reason", "decode", "denoise", "postprocess", "total")
 
 
 @dataclass

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from vla_accel_ros.bench.reasoning import reasoning_summary, truth_words
 from vla_accel_ros.bench.replay import BASELINE, build_runs, machine_info, parse_modes
 from vla_accel_ros.bench.stats import distribution
 from vla_accel_ros.core.errors import ConfigError
@@ -222,6 +223,9 @@ class EpisodeResult:
     latency_ms: list[float]
     holding_fraction: float
     fine_fraction: float  # control ticks the controller's motion switch spent in fine mode
+    # reasoning bundles: each inference's stats and the ground-truth reasoning of its frame
+    reasoning_stats: list = field(default_factory=list)
+    reasoning_truths: list = field(default_factory=list)
 
 
 def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalConfig, noise_seed: int) -> EpisodeResult:
@@ -248,6 +252,8 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
     rng = np.random.default_rng((noise_seed, seed))
     in_flight: list[tuple[int, Any]] = []  # (arrival time, chunk)
     latencies: list[float] = []
+    reasoning: list[dict] = []
+    truths: list = []
     fine = 0
     for tick in range(cfg.steps):
         robot.publish_state(now)
@@ -270,6 +276,9 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
                 policy.set_motion_mode(MODE_NAMES[loop.motion.mode])
                 noise = rng.standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
                 chunks = [policy.infer(obs, noise=noise, guidance=out.request.guidance)]
+                if "reasoning_text" in chunks[0].stats:
+                    reasoning.append(chunks[0].stats)
+                    truths.append(truth_words(cfg.task, tick, obs.state))
         call_ms = (time.perf_counter_ns() - t0) / 1e6
         for chunk in chunks:
             ms = float(chunk.stats.get("staleness_busy_ms", chunk.timings_ms["total"]))
@@ -281,8 +290,9 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
         robot.step(target)
         now += DT_NS
     return EpisodeResult(
-        seed, robot.success, robot.reward, len(latencies), latencies, loop.holding_fraction(), fine / cfg.steps
-    )
+        seed, robot.success, robot.reward, len(latencies), latencies, loop.holding_fraction(), fine / cfg.steps,
+        reasoning, truths,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------- through the ROS graph
@@ -512,4 +522,8 @@ def summarize_mode(run, results: list[EpisodeResult], open_loop: dict[str, Any])
         "fine_fraction": float(np.mean([r.fine_fraction for r in results])),
         "open_loop_error": open_loop,
         "per_episode": [{"seed": r.seed, "success": r.success, "max_reward": r.max_reward} for r in results],
+        # reasoning bundles: reuse and agreement with the simulator's ground truth (closed loop:
+        # agreement with full regeneration needs the same frames, see replay)
+        **(reasoning_summary([s for r in results for s in r.reasoning_stats], [t for r in results for t in r.reasoning_truths], None)
+           if any(r.reasoning_stats for r in results) else {}),
     }

@@ -66,6 +66,8 @@ class FrameWork:
     rows_per_layer: list[int]  # prefix rows computed at each LM layer
     cameras_encoded: int  # cameras run through the vision tower
     reference: bool = False  # the transformers path (full-vocabulary logits on every row)
+    reason_rows: int = 0  # reasoning bundles: previous reasoning + <act> rows validated in the prefill
+    reason_steps: int = 0  # ... and single-token steps decoding reasoning (and <act>)
 
 
 def work_from_stats(spec, stats: Mapping[str, Any], prefix_len: int, reference: bool) -> FrameWork:
@@ -73,14 +75,23 @@ def work_from_stats(spec, stats: Mapping[str, Any], prefix_len: int, reference: 
     everything."""
     layers = int(spec.lm["num_hidden_layers"])
     cams = len(spec.cameras)
+    if "reasoning_tokens" in stats:
+        n = len(stats["reasoning_tokens"])
+        validated = bool(stats.get("reasoning_validated"))
+        regen = int(stats.get("reasoning_regenerated", n))
+        kept_all = validated and regen == 0 and not stats.get("reasoning_refresh")
+        reason = {"reason_rows": n + 1 if validated else 0, "reason_steps": 0 if kept_all else regen + 1}
+    else:
+        reason = {}
     if reference or "recomputed_per_layer" not in stats:
-        return FrameWork(prefix_len, [prefix_len] * layers, cams, reference)
+        return FrameWork(prefix_len, [prefix_len] * layers, cams, reference, **reason)
     img0 = stats.get("image_recomputed_per_layer", [1])[0]
     return FrameWork(
         int(stats.get("tokens_total", prefix_len)),
         [int(n) for n in stats["recomputed_per_layer"]],
         cams if img0 > 0 else 0,
         reference,
+        **reason,
     )
 
 
@@ -100,6 +111,11 @@ def estimate_flops(spec, work: FrameWork, *, flow_steps: int) -> dict[str, float
     if spec.family == "ar":
         a = spec.action_dim * spec.chunk_size
         layers = int(lm["num_hidden_layers"])
+        r = work.reason_rows
+        if r or work.reason_steps:  # approximate: the rows at the end of the prefix, then steps
+            out["reason"] = layers * (
+                decoder_layer_flops(lm, r, r * (p + r / 2.0)) + work.reason_steps * decoder_layer_flops(lm, 1, p + r)
+            )
         out["decode"] = sum(layers * decoder_layer_flops(lm, 1, p + i) for i in range(1, a))
         vocab = int(lm["vocab_size"])
         # The engine scores the action bins of the last row only; transformers' causal LM

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from vla_accel_ros.bench.cache_bench import PRESETS, STAGES
+from vla_accel_ros.bench.reasoning import reasoning_summary, task_of, truth_words
 from vla_accel_ros.bench.flops import FORMULA, FrameWork, estimate_flops, work_from_stats
 from vla_accel_ros.bench.stats import action_deviation, action_std, distribution, percentile
 from vla_accel_ros.core.errors import BagError, ConfigError
@@ -79,6 +80,15 @@ MODES: dict[str, Mode] = {
         )  # fmt: skip
         for accel in ("none", "cache", "prune", "cache+prune")
     },
+    # MEMO-VLM, reasoning bundles only: the previous reasoning validated in the prefill.
+    **{
+        "memo" + ("" if accel == "none" else f"+{accel}"): Mode(
+            {"accel": accel, "memo": {"mode": "calibrated"}},
+            doc="reasoning reuse with calibrated thresholds" + ("" if accel == "none" else f", prefix planned by {accel}"),
+        )  # fmt: skip
+        for accel in ("none", "cache", "prune", "cache+prune")
+    },
+    "memo-exact": Mode({"accel": "none", "memo": {"mode": "exact"}}, doc="reasoning reuse where a word must be the argmax"),
 }
 BASELINE = "baseline"
 COMPILE = "compile"
@@ -211,6 +221,7 @@ class ModeRun:
     work: list[FrameWork] = field(default_factory=list)  # what each timed inference computed
 
     call_ms: list[float] = field(default_factory=list)  # each timed frame's call (the mode's cost per frame)
+    stamps: list[int] = field(default_factory=list)  # of the recorded chunks' observations
     pipeline: Any = None  # PipelinedAr for pipelined modes
 
     def step(self, obs, noise: np.ndarray) -> list:
@@ -236,6 +247,7 @@ class ModeRun:
         self.latency.append(float(st.get("staleness_busy_ms", chunk.timings_ms["total"])))
         self.stages.append(dict(chunk.timings_ms))
         self.stats.append(st)
+        self.stamps.append(int(chunk.stamp_ns))
         self.actions.append(np.asarray(chunk.actions, dtype=np.float32))
         if "action_tokens" in st:
             self.tokens.append(list(st["action_tokens"]))
@@ -343,6 +355,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
     frame_stamps: list[int] = []
     episodes: dict[int, dict[str, Any]] = {}
     timed_frames: dict[int, str] = {}  # stamp -> instruction, of the timed frames
+    truths: dict[int, list[str] | None] = {}  # stamp -> the ground-truth reasoning (reasoning bundles)
     processed = 0
     prev_episode: int | None = None
     expected = bag_info["frames"]
@@ -371,6 +384,8 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
             timed = processed >= cfg.warmup
             if timed:
                 timed_frames[obs.stamp_ns] = obs.instruction
+                if spec.reasoning_words:  # one simulator step per recorded frame of an episode
+                    truths[obs.stamp_ns] = truth_words(task_of(obs.instruction), ep["frames"] - 1, obs.state)
             k = processed % len(runs)
             for r in runs[k:] + runs[:k]:  # rotate who runs first
                 t0 = time.perf_counter_ns()
@@ -410,7 +425,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
         "frame_episodes": frame_episodes,
         "frame_stamps_ns": frame_stamps,
     }
-    return {**meta, "modes": summarize(runs, spec)}
+    return {**meta, "modes": summarize(runs, spec, truths)}
 
 
 # ------------------------------------------------------------------------------ summaries
@@ -444,7 +459,7 @@ def _scalar_stats_mean(stats: list[dict[str, Any]]) -> dict[str, float]:
     return {k: float(np.mean([float(s.get(k, 0)) for s in stats])) for k in keys}
 
 
-def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
+def summarize(runs: list[ModeRun], spec, truths: dict[int, list[str] | None] | None = None) -> dict[str, Any]:
     ref = next(r for r in runs if r.name == BASELINE)
     std = action_std(spec)
     base = np.asarray(ref.latency)
@@ -510,6 +525,11 @@ def summarize(runs: list[ModeRun], spec) -> dict[str, Any]:
                 "reset": [bool(s.get("reset_reason")) for s in r.stats],
             },
         }
+        if spec.reasoning_words and not r.mode.reference:
+            by_stamp = {t: s.get("reasoning_text", "").split() for t, s in zip(ref.stamps, ref.stats)}
+            reference = [by_stamp.get(t, []) for t in r.stamps]
+            out[r.name].update(reasoning_summary(r.stats, [(truths or {}).get(t) for t in r.stamps], reference))
+            out[r.name]["per_frame"]["reasoning_reused_fraction"] = [float(s.get("reasoning_reused_fraction", 0.0)) for s in r.stats]
     return out
 
 

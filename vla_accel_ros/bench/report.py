@@ -90,7 +90,7 @@ def stage_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return ["stage (p50 ms)", *names], rows
 
 
-_COMPONENTS = ("vision", "projector", "prefill", "decode", "denoise", "head", "state")
+_COMPONENTS = ("vision", "projector", "prefill", "reason", "decode", "denoise", "head", "state")
 
 
 def work_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -119,6 +119,25 @@ def planner_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         if any(k in sm for k in _PLANNER_COUNTERS):
             rows.append([n, *[f"{sm[k]:.2f}" if k in sm else "-" for k in _PLANNER_COUNTERS]])
     return ["mode", *_PLANNER_COUNTERS], rows
+
+
+def reasoning_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Reasoning bundles: reuse and agreement per mode (MEMO-VLM)."""
+    rows = []
+    for n in result["mode_order"]:
+        r = result["modes"][n]
+        if "reasoning_reused_fraction" not in r:
+            continue
+        vs, gt = r.get("reasoning_agreement_vs_baseline"), r.get("reasoning_truth_agreement")
+        rows.append([
+            n, f"{r['reasoning_tokens_mean']:.1f}", f"{100 * r['reasoning_reused_fraction']['mean']:.1f}%",
+            f"{r['reasoning_regenerated_tokens_mean']:.1f}", f"{100 * r['reasoning_refresh_share']:.1f}%",
+            f"{100 * vs['mean']:.2f}% / {100 * vs['identical_share']:.1f}%" if vs else "-",
+            f"{100 * gt['mean']:.1f}% / {100 * gt['identical_share']:.1f}%" if gt else "-",
+        ])  # fmt: skip
+    header = ["mode", "words", "reused", "regenerated words", "refreshes", "agreement vs baseline (words / texts)",
+              "agreement vs ground truth (words / texts)"]  # fmt: skip
+    return header, rows
 
 
 def markdown(result: dict[str, Any], plots: list[str]) -> str:
@@ -158,6 +177,9 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
     ph, pr = planner_rows(result)
     if pr:
         lines += ["Token cache counters (per-frame means, image tokens):", "", _md_table(ph, pr), ""]
+    rh, rr = reasoning_rows(result)
+    if rr:
+        lines += ["## Reasoning (MEMO-VLM)", "", _md_table(rh, rr), ""]
     lines += ["## FLOPs estimate", "", "```", result["flops_formula"], "```", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]

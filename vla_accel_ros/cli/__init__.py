@@ -23,6 +23,7 @@ COMMANDS = (
     "vla_accel_ros.cli.train_cmd",
     "vla_accel_ros.cli.eval_cmd",
     "vla_accel_ros.cli.export_cmd",
+    "vla_accel_ros.cli.calibrate_cmd",
 )
 
 

@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
     p.add_argument("--save-dtype", choices=("float16", "float32"), default=d.save_dtype)
     p.add_argument("--name", default="", help="bundle name (default <task>-<family>)")
+    p.add_argument("--reasoning", default="", metavar="TASK",
+                   help="ar: train a reasoning policy on TASK's templated reasoning (e.g. transfer_cube)")
+    p.add_argument("--init-from", default="", metavar="BUNDLE", help="start from this bundle's weights (same module shapes)")
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
@@ -58,6 +61,7 @@ def _train(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
         val_episodes=args.val_episodes, shift=args.shift, bf16=not args.fp32, seed=args.seed, threads=args.threads,
         device=args.device, checkpoint_every=args.checkpoint_every, save_dtype=args.save_dtype, name=args.name,
+        reasoning=args.reasoning, init_from=args.init_from,
     )  # fmt: skip
     missing = [str(b) for b in args.data if not b.exists()]
     if missing:

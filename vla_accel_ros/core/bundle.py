@@ -94,6 +94,10 @@ class BundleSpec(Config):
     state_dim: int = param(0, doc="proprioceptive state size (0: no state input)", range=(0, 256))
     num_steps: int = param(10, doc="flow: Euler steps per chunk", range=(1, 1000))
     action_bins: int = param(256, doc="ar: action tokens = the last N vocabulary ids", range=(2, 65536))
+    reasoning_words: tuple[str, ...] = param(
+        (), doc="ar: the words a reasoning policy writes before <act> (ids just below the action bins; empty: no reasoning)"
+    )
+    max_reasoning_tokens: int = param(0, doc="ar: longest reasoning before <act> (0: no reasoning)", range=(0, 4096))
     norm_stats: dict | None = None  # {"action": {mean,std,q01,q99}, "state": {mean,std}}
     vision: dict | None = None  # SiglipVisionConfig kwargs
     lm: dict | None = None  # Llama/Qwen2 config kwargs + model_type
@@ -130,12 +134,22 @@ class BundleSpec(Config):
             raise ConfigError("norm_stats.state is required when state_dim > 0")
         if self.family == "ar":
             vocab = int(self.lm.get("vocab_size", 0))
-            if 3 + self.text_vocab > vocab - self.action_bins:
+            n_words = len(self.reasoning_words)
+            if 3 + self.text_vocab + n_words > vocab - self.action_bins:
                 raise ConfigError(
                     f"lm.vocab_size={vocab} leaves no room for 3 special + text_vocab={self.text_vocab} "
-                    f"+ action_bins={self.action_bins} ids"
+                    f"+ {n_words} reasoning_words + action_bins={self.action_bins} ids"
                 )
-        else:
+            if len(set(self.reasoning_words)) != n_words:
+                raise ConfigError("reasoning_words must be unique")
+            if bool(n_words) != bool(self.max_reasoning_tokens):
+                raise ConfigError(
+                    f"reasoning_words ({n_words} words) and max_reasoning_tokens={self.max_reasoning_tokens} "
+                    "must be both set (a reasoning policy) or both empty"
+                )
+        elif self.reasoning_words or self.max_reasoning_tokens:
+            raise ConfigError("reasoning_words / max_reasoning_tokens: only ar bundles write reasoning")
+        if self.family != "ar":
             for key in ("num_hidden_layers", "num_key_value_heads"):
                 if self.expert.get(key) != self.lm.get(key):
                     raise ConfigError(f"expert.{key} must equal lm.{key} (the expert attends to the VLM's K/V)")

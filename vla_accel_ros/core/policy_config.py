@@ -8,6 +8,7 @@ from vla_accel_ros.core.cache.config import CacheConfig
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.precision import PrecisionConfig
 from vla_accel_ros.core.prune.config import PruneConfig
+from vla_accel_ros.core.reasoning.memo import MemoConfig
 
 ACCEL_MODES = ("none", "cache", "prune", "cache+prune")
 
@@ -40,6 +41,7 @@ class PolicyConfig(Config):
     # Precision per component, the compile switch and the gate's precision limits (ROS:
     # precision.*; fixed once the policy is built).
     precision: PrecisionConfig = PrecisionConfig()
+    memo: MemoConfig = MemoConfig()  # reasoning bundles: MEMO-VLM reuse of the reasoning (ROS: memo.*)
 
     @property
     def uses_cache(self) -> bool:

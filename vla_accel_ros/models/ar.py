@@ -6,6 +6,12 @@ proprioception) exists only when the bundle's ``state_dim`` > 0. The actions are
 greedily, one token per action dimension and chunk step (``chunk_size`` x ``action_dim``
 tokens, step-major), from the last ``action_bins`` vocabulary ids; a token maps to the center
 of its bin in [-1, 1] and is unnormalized with the bundle's q01/q99 bounds.
+
+A reasoning bundle (``reasoning_words``) first writes its reasoning greedily over those words
+(their ids lie just below the action bins) until ``<act>`` (the EOS id), at most
+``max_reasoning_tokens``, then the actions: ``[prefix] [reasoning] <act> [actions]``. With
+``memo.mode`` on, the previous frame's reasoning is validated in the prefill and only what no
+longer holds is regenerated (:mod:`vla_accel_ros.core.reasoning.memo`).
 """
 
 from __future__ import annotations
@@ -15,10 +21,14 @@ import torch
 from torch import nn
 
 from vla_accel_ros.core.bundle import BundleSpec
-from vla_accel_ros.core.engine import DecoderStack, StepPlan
+from pathlib import Path
+
+from vla_accel_ros.core.engine import DecoderStack, StepPlan, TapSpec
 from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner, plan_stats
+from vla_accel_ros.core.reasoning.memo import ACT, CALIBRATION_FILE, Calibration, MemoState, Thresholds, decide
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
 from vla_accel_ros.models.base import PolicyBase, StageTimer, VisionPrefix
 from vla_accel_ros.models.common import HashWordTokenizer, Normalizer, build_decoder
@@ -33,6 +43,9 @@ class ArVLA(nn.Module):
         self.vis = VisionPrefix(spec, self.lm.config.hidden_size)
         self.state_proj = nn.Linear(spec.state_dim, self.lm.config.hidden_size) if spec.state_dim else None
         self.action_bins = spec.action_bins
+        # Reasoning word class c -> vocabulary id; the last class is <act> (EOS).
+        first = self.lm.config.vocab_size - spec.action_bins - len(spec.reasoning_words)
+        self.reasoning_token_ids = [*range(first, first + len(spec.reasoning_words)), HashWordTokenizer.EOS]
 
     @property
     def decoder(self) -> nn.Module:
@@ -46,6 +59,11 @@ class ArVLA(nn.Module):
         """Logits of the action ids only: the head rows of the last ``action_bins`` ids."""
         return hidden @ self.lm.lm_head.weight[-self.action_bins :].T  # [.., bins]
 
+    def reasoning_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the reasoning words and <act> only (the class order of ``reasoning_token_ids``)."""
+        w = self.lm.lm_head.weight
+        return hidden @ w[torch.as_tensor(self.reasoning_token_ids, device=w.device)].T  # [.., words + 1]
+
     def bins_from_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary id -> bin index (the highest id is bin 0, as in OpenVLA)."""
         return self.lm.config.vocab_size - 1 - ids
@@ -54,14 +72,20 @@ class ArVLA(nn.Module):
 class ArPolicy(PolicyBase):
     family = "ar"
 
-    def __init__(self, spec: BundleSpec, model: ArVLA, config: PolicyConfig, planner: PrefixPlanner | None = None) -> None:
+    def __init__(
+        self, spec: BundleSpec, model: ArVLA, config: PolicyConfig, planner: PrefixPlanner | None = None, *, bundle_path: str = ""
+    ) -> None:
         super().__init__(spec, config, planner)
+        self.bundle_path = bundle_path  # where a calibration file next to the weights is looked for
         self.model = model.eval().requires_grad_(False)
         self.num_action_tokens = spec.action_dim * spec.chunk_size
         self.stack = DecoderStack(model.decoder)
         g = spec.grid
         n_state = 1 if spec.state_dim else 0
-        self.max_slots = 1 + len(spec.cameras) * g * g + spec.max_text_tokens + n_state + self.num_action_tokens
+        self.reasoning_words = tuple(spec.reasoning_words)
+        self.act_class = len(self.reasoning_words)  # <act>
+        reason_slots = spec.max_reasoning_tokens + 1 if self.reasoning_words else 0  # the words, then <act>
+        self.max_slots = 1 + len(spec.cameras) * g * g + spec.max_text_tokens + n_state + reason_slots + self.num_action_tokens
         self.cache = self.stack.make_cache(self.max_slots)
         self.cache.set_layout([Segment(0, (Block(self.max_slots, "causal"),))])
         self.engine = self.make_engine(self.stack, self.cache, self.max_slots)
@@ -69,6 +93,147 @@ class ArPolicy(PolicyBase):
         self.action_norm = Normalizer(spec.norm_stats["action"], spec.action_dim, "norm_stats.action")
         bins = spec.action_bins
         self.bin_centers = (-1.0 + (2.0 * np.arange(bins) + 1.0) / bins).astype(np.float32)
+        self.memo_state = MemoState()
+        self.thresholds: Thresholds | None = None
+        self._setup_memo(config)
+
+    # -- reasoning reuse (MEMO-VLM) -----------------------------------------------------------------
+    def check_config(self, config: PolicyConfig) -> None:
+        super().check_config(config)
+        self._memo_thresholds(config)  # ConfigError before anything changes
+
+    def configure(self, config: PolicyConfig) -> bool:
+        replan = super().configure(config)
+        self._setup_memo(config)
+        return replan
+
+    def _memo_thresholds(self, config: PolicyConfig) -> Thresholds | None:
+        memo = config.memo
+        if not memo.enabled:
+            return None
+        if not self.reasoning_words:
+            raise ConfigError(f"memo.mode={memo.mode}: bundle {self.spec.name} writes no reasoning (no reasoning_words)")
+        calibration = None
+        if memo.mode == "calibrated":
+            path = memo.calibration or str(Path(self.bundle_path or ".") / CALIBRATION_FILE)
+            calibration = Calibration.load(path, self.reasoning_words)
+        return Thresholds(self.reasoning_words, memo, calibration)
+
+    def _setup_memo(self, config: PolicyConfig) -> None:
+        self.thresholds = self._memo_thresholds(config)
+        self.memo_state.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self.memo_state.reset()
+        if self.thresholds is not None:
+            self.thresholds.reset()
+
+    def _hypothesis(self, obs: Observation) -> list[int] | None:
+        """The previous frame's reasoning to validate in this frame's prefill (None: regenerate)."""
+        if self.thresholds is None:
+            return None
+        key = (obs.episode, obs.instruction)
+        if key != self.memo_state.key:
+            self.memo_state.reset()
+            self.memo_state.key = key
+            return None
+        return list(self.memo_state.classes) or None
+
+    def _step(self, token_id: int, slot: int, taps: TapSpec | None = None):
+        s = torch.tensor([slot])
+        x = self.model.lm.model.embed_tokens(torch.tensor([[token_id]]))  # [1, 1, H]
+        return self.engine.forward(x, StepPlan(slots=s, positions=s, output_slots=s, taps=taps))
+
+    def _reason(self, p0: int, rows_out: torch.Tensor, prev: list[int] | None) -> tuple[list[int], torch.Tensor, dict]:
+        """The reasoning of this frame. ``p0``: its first slot (the prefix length);
+        ``rows_out`` [1 + n, H]: the prefill's output at the last prefix row and, with a
+        hypothesis ``prev`` (n = its words + <act>), at each of its rows. Returns the word
+        classes, the hidden state that predicts the first action token, and stats."""
+        ids = self.model.reasoning_token_ids
+        n_prev = len(prev) if prev else 0
+        logits = self.model.reasoning_logits(rows_out[: n_prev + 1]).float()  # row i predicts word i
+        stats: dict = {"reasoning_validated": prev is not None, "reasoning_refresh": False}
+        keep, decision = 0, None
+        if prev is not None:
+            target = torch.tensor([*prev, self.act_class])
+            probs = logits.softmax(-1)
+            p = probs[torch.arange(n_prev + 1), target]
+            if self.config.memo.mode == "exact":
+                ok = (probs.argmax(-1) == target).numpy()
+            else:
+                ok = (p.numpy() >= self.thresholds.of(target.numpy()))
+            every = self.config.memo.refresh_every
+            decision = decide(ok, force_refresh=bool(every) and self.memo_state.frames_since_refresh + 1 >= every)
+            keep = decision.keep
+            stats["reasoning_refresh"] = decision.refresh
+            stats["reasoning_min_prob"] = float(p.min())
+        if keep == n_prev + 1:  # every word and <act> held: the actions follow the <act> row
+            classes, act_hidden = list(prev), rows_out[n_prev + 1]
+        else:
+            classes = list(prev[:keep]) if prev else []
+            nxt = int(logits[keep].argmax())
+            while nxt != self.act_class and len(classes) < self.spec.max_reasoning_tokens:
+                classes.append(nxt)
+                o = self._step(ids[nxt], p0 + len(classes) - 1)
+                nxt = int(self.model.reasoning_logits(o.hidden[0, -1]).argmax())
+            act_hidden = self._step(ids[self.act_class], p0 + len(classes)).hidden[0, -1]
+            if decision is not None:
+                # False rejections: a failed word the regeneration wrote again at its place.
+                same = [i for i in decision.failed.tolist() if i < min(len(classes), n_prev) and classes[i] == prev[i]]
+                if same:
+                    self.thresholds.adapt(target.numpy()[same], p.numpy()[same])
+        reused = min(keep, len(classes))
+        m = self.memo_state
+        m.classes = classes
+        m.frames_since_refresh = 0 if (prev is None or stats["reasoning_refresh"]) else m.frames_since_refresh + 1
+        stats.update(
+            reasoning_tokens=[ids[c] for c in classes], reasoning_text=" ".join(self.reasoning_words[c] for c in classes),
+            reasoning_len=len(classes), reasoning_reused=reused, reasoning_regenerated=len(classes) - reused,
+            reasoning_reused_fraction=reused / max(1, len(classes)),
+            memo_adaptations=self.thresholds.adaptations if self.thresholds is not None else 0,
+        )  # fmt: skip
+        return classes, act_hidden, stats
+
+    @torch.inference_mode()
+    def reasoning_trace(self, obs: Observation) -> tuple[list[str], list[float], list[float]]:
+        """Full greedy reasoning of ``obs`` (no reuse, every prefix row computed): the words
+        (``<act>`` last), the probability of each, and the attention mass on the image tokens
+        of the row that chose it, averaged over layers and heads (engine taps). What
+        ``vla-accel calibrate-reasoning`` collects."""
+        if not self.reasoning_words:
+            raise ConfigError(f"bundle {self.spec.name} writes no reasoning")
+        layout, ids = self.layout_for(obs.instruction)
+        self.prepare_cache(layout)
+        self.planner.reset("external prefix write")
+        full = self.prefix_embeddings(obs, layout, ids, self.frames(obs).pixels, self.all_cameras(layout))
+        p0 = layout.length
+        layers = tuple(range(self.stack.num_layers))
+        img = layout.image_slots()
+        img = torch.as_tensor(img) if not torch.is_tensor(img) else img
+
+        def taps(slot: int) -> TapSpec:
+            return TapSpec(layers=layers, query_slots=torch.tensor([slot]), key_slots=img)
+
+        rows = torch.arange(p0)
+        out = self.engine.forward(full[None], StepPlan(slots=rows, positions=rows, output_slots=rows[-1:], taps=taps(p0 - 1)))
+        words, probs, mass = [], [], []
+        hidden, tap = out.hidden[0, -1], out.taps
+        classes: list[int] = []
+        while True:
+            pr = self.model.reasoning_logits(hidden).float().softmax(-1)
+            c = int(pr.argmax())
+            words.append(ACT if c == self.act_class else self.reasoning_words[c])
+            probs.append(float(pr[c]))
+            mass.append(float(np.mean([float(tap.attn[l].sum()) for l in layers])))
+            if c == self.act_class or len(classes) >= self.spec.max_reasoning_tokens:
+                break
+            classes.append(c)
+            slot = p0 + len(classes) - 1
+            o = self._step(self.model.reasoning_token_ids[c], slot, taps(slot))
+            hidden, tap = o.hidden[0, -1], o.taps
+        self.planner.reset("external prefix write")
+        return words, probs, mass
 
     def _make_layout(self, text_len: int) -> PrefixLayout:
         s = self.spec
@@ -107,28 +272,43 @@ class ArPolicy(PolicyBase):
             cams = self.image_rows(layout, rows)
             full = self.prefix_embeddings(obs, layout, ids, frames.pixels, cams)
         with timer.stage("prefill"):
-            last = torch.tensor([layout.length - 1])
+            p0 = layout.length
+            prev = self._hypothesis(obs) if self.reasoning_words else None
+            # MEMO: the previous reasoning and <act> ride along in the prefill (one pass).
+            extra = [] if prev is None else [self.model.reasoning_token_ids[c] for c in (*prev, self.act_class)]
+            ext = torch.arange(p0, p0 + len(extra))
+            x = full[rows]
+            layer_slots = plan.layer_slots
+            if extra:
+                x = torch.cat([x, self.model.embed_ids(extra).to(x.dtype)])
+                layer_slots = [torch.cat([ls, ext]) for ls in plan.layer_slots]
+            slots = torch.cat([rows, ext])
             step = StepPlan(
-                slots=rows, positions=rows, layer_slots=plan.layer_slots, drop=plan.drop, output_slots=last, taps=plan.taps,
-                prune=plan.prune,
-            )
-            out = self.engine.forward(full[rows][None], step)
-            token = int(self.model.action_logits(out.hidden[0, -1]).argmax()) + self._first_action_id
+                slots=slots, positions=slots, layer_slots=layer_slots, drop=plan.drop,
+                output_slots=torch.cat([torch.tensor([p0 - 1]), ext]), taps=plan.taps, prune=plan.prune,
+            )  # fmt: skip
+            out = self.engine.forward(x[None], step)
         with timer.stage("select"):
             self.planner.update(ctx, plan, out.taps)
+        reasoning_stats: dict = {}
+        a0 = p0  # slot of the first action token's input row
+        act_hidden = out.hidden[0, 0]
+        if self.reasoning_words:
+            with timer.stage("reason"):
+                classes, act_hidden, reasoning_stats = self._reason(p0, out.hidden[0], prev)
+            a0 = p0 + len(classes) + 1
         with timer.stage("decode"):
+            token = int(self.model.action_logits(act_hidden).argmax()) + self._first_action_id
             tokens = [token]
-            embed = self.model.lm.model.embed_tokens
             for i in range(1, self.num_action_tokens):
-                slot = torch.tensor([layout.length + i - 1])
-                x = embed(torch.tensor([[token]]))  # [1, 1, H]
-                o = self.engine.forward(x, StepPlan(slots=slot, positions=slot, output_slots=slot))
+                o = self._step(token, a0 + i - 1)
                 token = int(self.model.action_logits(o.hidden[0, -1]).argmax()) + self._first_action_id
                 tokens.append(token)
         with timer.stage("postprocess"):
             actions = self._decode_actions(tokens)
         stats = plan_stats(plan, layout, out.computed_per_layer, self.planner.name, out.dropped)
         stats["action_tokens"] = tokens
+        stats.update(reasoning_stats)
         return ActionChunk(
             actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, chunk_id=self.next_chunk_id(),
             joint_names=self.spec.joint_names, timings_ms=timer.finish(), stats=stats,
@@ -159,23 +339,69 @@ class ArPolicy(PolicyBase):
         actions: torch.Tensor,
         valid: torch.Tensor,
         generator: torch.Generator,
+        reasoning: list[list[str]] | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Cross-entropy on the action tokens with teacher forcing (the prefix, then the chunk's
-        tokens step-major), over the action ids only, as :meth:`infer` takes its argmax.
-        actions: [B, H, D] robot units; valid: [B, H]. ``generator`` is unused (no noise)."""
+        """Cross-entropy with teacher forcing on ``[reasoning] <act> [actions]`` after the prefix
+        (a reasoning bundle) or on the actions alone, each over its own ids (the reasoning words
+        and <act>; the action bins), as :meth:`infer` takes its argmaxes. actions: [B, H, D]
+        robot units; valid: [B, H]; reasoning: per sample, its words. ``generator`` is unused."""
         layout, prefix = self.batch_prefix(pixels, states, instruction)  # [B, P, W]
         b, p = prefix.shape[:2]
         bins = self.spec.action_bins
         target = (bins - 1 - self.action_bins_of(actions)).reshape(b, -1)  # [B, n] rows of the head
-        ids = target + self._first_action_id
+        n_act = target.shape[1]
+        w_act = valid.repeat_interleave(self.spec.action_dim, dim=1)  # [B, n]
+        if not self.reasoning_words:
+            ids = target + self._first_action_id
+            emb = self.model.lm.model.embed_tokens(ids[:, :-1]).to(prefix.dtype)
+            hidden = self.model.lm.model(inputs_embeds=torch.cat([prefix, emb], dim=1)).last_hidden_state
+            logits = self.model.action_logits(hidden[:, p - 1 :]).float()  # [B, n, bins]
+            ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")  # [B, n]
+            w = w_act.to(ce.dtype)
+            loss = (ce * w).sum() / w.sum().clamp_min(1.0)
+            acc = float(((logits.argmax(-1) == target).float() * w).sum() / w.sum().clamp_min(1.0))
+            return loss, {"loss": float(loss.detach()), "token_acc": acc}
+        if reasoning is None or len(reasoning) != b:
+            raise ConfigError(f"bundle {self.spec.name} writes reasoning: training needs the reasoning of every sample")
+        index = {w: i for i, w in enumerate(self.reasoning_words)}
+        classes = []
+        for words in reasoning:
+            unknown = [w for w in words if w not in index]
+            if unknown or len(words) > self.spec.max_reasoning_tokens:
+                raise ConfigError(
+                    f"reasoning {' '.join(words)!r}: words outside the bundle's reasoning_words ({unknown[:5]}) or longer "
+                    f"than max_reasoning_tokens={self.spec.max_reasoning_tokens}"
+                )
+            classes.append([index[w] for w in words] + [self.act_class])
+        dev = target.device
+        r_max = max(len(c) for c in classes)  # words + <act>
+        length = r_max + n_act  # predicted tokens per sample (padded); inputs are one fewer
+        ids = torch.zeros(b, length, dtype=torch.long, device=dev)  # PAD after each sample's end
+        cls_t = torch.zeros(b, length, dtype=torch.long, device=dev)
+        act_t = torch.zeros(b, length, dtype=torch.long, device=dev)
+        m_r = torch.zeros(b, length, dtype=torch.bool, device=dev)
+        m_a = torch.zeros(b, length, dtype=torch.float32, device=dev)
+        rid = torch.as_tensor(self.model.reasoning_token_ids, device=dev)
+        for i, c in enumerate(classes):
+            r = len(c)
+            ct = torch.as_tensor(c, device=dev)
+            ids[i, :r] = rid[ct]
+            ids[i, r : r + n_act] = target[i] + self._first_action_id
+            cls_t[i, :r] = ct
+            m_r[i, :r] = True
+            act_t[i, r : r + n_act] = target[i]
+            m_a[i, r : r + n_act] = w_act[i].float()
         emb = self.model.lm.model.embed_tokens(ids[:, :-1]).to(prefix.dtype)
-        hidden = self.model.lm.model(inputs_embeds=torch.cat([prefix, emb], dim=1)).last_hidden_state
-        logits = self.model.action_logits(hidden[:, p - 1 :]).float()  # [B, n, bins]
-        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")  # [B, n]
-        w = valid.repeat_interleave(self.spec.action_dim, dim=1).to(ce.dtype)
-        loss = (ce * w).sum() / w.sum().clamp_min(1.0)
-        acc = float(((logits.argmax(-1) == target).float() * w).sum() / w.sum().clamp_min(1.0))
-        return loss, {"loss": float(loss.detach()), "token_acc": acc}
+        hidden = self.model.lm.model(inputs_embeds=torch.cat([prefix, emb], dim=1)).last_hidden_state[:, p - 1 :]
+        r_logits = self.model.reasoning_logits(hidden).float()  # [B, L, words + 1]
+        a_logits = self.model.action_logits(hidden).float()  # [B, L, bins]
+        ce_r = torch.nn.functional.cross_entropy(r_logits[m_r], cls_t[m_r])
+        ce_a_all = torch.nn.functional.cross_entropy(a_logits.transpose(1, 2), act_t, reduction="none")  # [B, L]
+        ce_a = (ce_a_all * m_a).sum() / m_a.sum().clamp_min(1.0)
+        loss = ce_a + ce_r
+        acc = float(((a_logits.argmax(-1) == act_t).float() * m_a).sum() / m_a.sum().clamp_min(1.0))
+        r_acc = float((r_logits[m_r].argmax(-1) == cls_t[m_r]).float().mean())
+        return loss, {"loss": float(loss.detach()), "token_acc": acc, "reasoning_ce": float(ce_r.detach()), "reasoning_acc": r_acc}
 
     @property
     def _first_action_id(self) -> int:
@@ -194,9 +420,22 @@ class ArPolicy(PolicyBase):
         bins, lm = self.spec.action_bins, self.model.lm
         with timer.stage("prefill"):
             out = lm(inputs_embeds=full[None], use_cache=True)
-            token = int(out.logits[0, -1, -bins:].argmax()) + self._first_action_id
+        pkv, reasoning = out.past_key_values, []
+        if self.reasoning_words:
+            with timer.stage("reason"):
+                rid = self.model.reasoning_token_ids
+                while True:
+                    c = int(out.logits[0, -1, rid].argmax())
+                    if c == self.act_class or len(reasoning) >= self.spec.max_reasoning_tokens:
+                        break
+                    reasoning.append(rid[c])
+                    out = lm(input_ids=torch.tensor([[rid[c]]]), past_key_values=pkv, use_cache=True)
+                    pkv = out.past_key_values
+                out = lm(input_ids=torch.tensor([[rid[self.act_class]]]), past_key_values=pkv, use_cache=True)
+                pkv = out.past_key_values
         with timer.stage("decode"):
-            tokens, pkv = [token], out.past_key_values
+            token = int(out.logits[0, -1, -bins:].argmax()) + self._first_action_id
+            tokens = [token]
             for _ in range(1, self.num_action_tokens):
                 out = lm(input_ids=torch.tensor([[token]]), past_key_values=pkv, use_cache=True)
                 pkv = out.past_key_values
@@ -206,7 +445,8 @@ class ArPolicy(PolicyBase):
             actions = self._decode_actions(tokens)
         return ActionChunk(
             actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, joint_names=self.spec.joint_names,
-            timings_ms=timer.finish(), stats={"mode": "transformers", "action_tokens": tokens},
+            timings_ms=timer.finish(),
+            stats={"mode": "transformers", "action_tokens": tokens, **({"reasoning_tokens": reasoning} if self.reasoning_words else {})},
         )  # fmt: skip
 
     @torch.inference_mode()

@@ -92,7 +92,7 @@ _INSTANCES = itertools.count()
 # built for a precision and compile switch.
 _FIXED = ("parity_check", "num_threads", "seed", *(f"precision.{c}" for c in (*COMPONENTS, "compile")))
 # Fields that do not change how the prefix is planned: changing them keeps the planner's caches.
-_NOT_PLANNER = {"flow_steps", "parity_tolerance", "precision", *_FIXED}
+_NOT_PLANNER = {"flow_steps", "parity_tolerance", "precision", "memo", *_FIXED}
 MOTION_MODES = tuple(MODE_NAMES.values())
 
 
@@ -109,6 +109,7 @@ class PolicyBase:
         self._layouts: dict[str, tuple[PrefixLayout, list[int]]] = {}
         self._static: dict[str, torch.Tensor] = {}
         self._chunk_id = 0
+        self.bundle_path = ""
         self.motion_mode = MOTION_MODES[0]
         # Names this policy's KV cache in every PrefixContext (a counter, never reused like id()).
         self.source = f"{spec.name}#{next(_INSTANCES)}"
@@ -174,6 +175,8 @@ class PolicyBase:
             config.cache.check_layers(self.num_layers)
         if config.uses_prune:
             config.prune.check_layers(self.num_layers)
+        if config.memo.enabled and not getattr(self.spec, "reasoning_words", ()):
+            raise ConfigError(f"memo.mode={config.memo.mode}: bundle {self.spec.name} writes no reasoning (no reasoning_words)")
 
     def configure(self, config: PolicyConfig) -> bool:
         """Apply new run-time options (acceleration, cache thresholds, flow steps, ...) all at

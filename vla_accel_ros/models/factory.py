@@ -69,6 +69,8 @@ def demo_spec(
     norm_stats: dict | None = None,
     name: str | None = None,
     default_instruction: str | None = None,
+    reasoning_words: tuple[str, ...] = (),
+    max_reasoning_tokens: int = 0,
 ) -> BundleSpec:
     """The spec of a ``size`` model of ``family``. Defaults: ALOHA joints, statistics around the
     ALOHA start pose (random-weight demo bundles); ``vla-accel train`` passes the statistics of
@@ -99,8 +101,10 @@ def demo_spec(
     if default_instruction is not None:
         common["default_instruction"] = default_instruction
     if family == "ar":
+        # A reasoning policy's words take the ids just below the action bins.
         return BundleSpec(
-            family="ar", text_vocab=vocab - 256 - 3, action_bins=256, chunk_size=chunk_size or 1, lm=lm, **common,
+            family="ar", text_vocab=vocab - 256 - 3 - len(reasoning_words), action_bins=256, chunk_size=chunk_size or 1,
+            lm=lm, reasoning_words=tuple(reasoning_words), max_reasoning_tokens=max_reasoning_tokens, **common,
         )  # fmt: skip
     expert = {
         "model_type": lm_type, **sz["expert"], "num_hidden_layers": lm["num_hidden_layers"],
@@ -185,7 +189,9 @@ def load_policy(
     gate first, or this raises :class:`ParityError` (the policy refuses to start)."""
     if not isinstance(bundle, Bundle):
         bundle = load_bundle(bundle)
-    return build_policy(bundle.spec, model_from_bundle(bundle), config, planner=planner, where=str(bundle.path))
+    return build_policy(
+        bundle.spec, model_from_bundle(bundle), config, planner=planner, where=str(bundle.path), bundle_path=str(bundle.path)
+    )
 
 
 def load_for_robot(cfg: PolicyNodeConfig, instruction: str = ""):
@@ -216,11 +222,11 @@ def load_for_robot(cfg: PolicyNodeConfig, instruction: str = ""):
     return policy
 
 
-def _policy(spec: BundleSpec, model: nn.Module, config: PolicyConfig, planner):
+def _policy(spec: BundleSpec, model: nn.Module, config: PolicyConfig, planner, bundle_path: str = ""):
     if spec.family == "ar":
         from vla_accel_ros.models.ar import ArPolicy
 
-        return ArPolicy(spec, model, config, planner)
+        return ArPolicy(spec, model, config, planner, bundle_path=bundle_path)
     from vla_accel_ros.models.flow import FlowPolicy
 
     return FlowPolicy(spec, model, config, planner)
@@ -233,6 +239,7 @@ def build_policy(
     *,
     planner=None,
     where: str = "",
+    bundle_path: str = "",
     converted: dict[str, nn.Module] | None = None,
     gate_observations: tuple[Observation, Observation] | None = None,
 ):
@@ -256,7 +263,7 @@ def build_policy(
             run_model = convert_model(model, spec.family, precision)
             if converted is not None:
                 converted[key] = run_model
-    policy = _policy(spec, run_model, config, planner)
+    policy = _policy(spec, run_model, config, planner, bundle_path)
     if config.parity_check:
         from vla_accel_ros.core.parity import fp32_reference, run_parity
 
@@ -275,7 +282,7 @@ def sibling_policy(policy, config: PolicyConfig, **kwargs):
     must run fp32: reduced-precision siblings are converted from its weights)."""
     if policy.precision.reduced:
         raise ConfigError("build sibling policies from an fp32 policy (its weights are what other precisions convert)")
-    return build_policy(policy.spec, policy.model, config, where=policy.spec.name, **kwargs)
+    return build_policy(policy.spec, policy.model, config, where=policy.spec.name, bundle_path=policy.bundle_path, **kwargs)
 
 
 def inspect_bundle(path: str | Path) -> str:

@@ -76,6 +76,11 @@ class PipelinedAr:
     def __init__(self, policy, *, depth: int = 0, steps: int = 0) -> None:
         if policy.family != "ar":
             raise ConfigError(f"pipelined decoding is for ar policies, not {policy.family}")
+        if getattr(policy, "reasoning_words", ()):
+            raise ConfigError(
+                f"pipelined decoding does not run reasoning bundles ({policy.spec.name} writes reasoning before its "
+                "actions); use memo modes for them"
+            )
         n = policy.num_action_tokens
         if steps < 0 or depth < 0:
             raise ConfigError(f"pipeline depth={depth} and steps={steps} must be >= 0 (0: derived)")

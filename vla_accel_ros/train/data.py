@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from vla_accel_ros.core.errors import BagError, ConfigError
+from vla_accel_ros.core.reasoning.template import ReasoningTemplate, words_of
 
 
 @dataclass
@@ -145,6 +146,7 @@ class Batch:
     actions: torch.Tensor  # [B, H, D]
     valid: torch.Tensor  # [B, H] bool
     instruction: str
+    reasoning: list[list[str]] | None = None  # per sample, the words written before <act>
 
 
 @dataclass
@@ -154,6 +156,9 @@ class ChunkDataset:
     episodes: list[Episode]
     chunk_size: int
     stride: int = 1
+    # A reasoning policy's labels: the template's text at each frame's control step (its index
+    # in the episode: one recorded sample per simulator step) and joint state.
+    reasoning: ReasoningTemplate | None = None
     index: np.ndarray = field(init=False)  # [N, 2] (episode, frame)
 
     def __post_init__(self) -> None:
@@ -178,7 +183,7 @@ class ChunkDataset:
         of each image by up to ``shift`` pixels (edge padding), a cheap, standard augmentation
         for image policies trained on few demonstrations."""
         h = self.chunk_size
-        frames, states, actions, valid = [], [], [], []
+        frames, states, actions, valid, reasoning = [], [], [], [], []
         for r in rows:
             ei, t = self.index[int(r)]
             e = self.episodes[int(ei)]
@@ -191,6 +196,8 @@ class ChunkDataset:
             states.append(e.states[t])
             actions.append(chunk)
             valid.append(np.arange(h) < h - pad)
+            if self.reasoning is not None:
+                reasoning.append(words_of(self.reasoning.text(int(t), e.states[t])))
         raw = torch.from_numpy(np.stack(frames))  # [B, C, S, S, 3] uint8
         pixels = raw.permute(0, 1, 4, 2, 3).float().div_(127.5).sub_(1.0)  # as preprocess_frames
         if shift > 0:
@@ -201,6 +208,7 @@ class ChunkDataset:
             actions=torch.from_numpy(np.stack(actions)),
             valid=torch.from_numpy(np.stack(valid)),
             instruction=self.instruction,
+            reasoning=reasoning if self.reasoning is not None else None,
         )
 
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray:

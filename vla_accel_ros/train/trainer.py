@@ -56,6 +56,14 @@ class TrainConfig(Config):
     lm_type: str = param("llama", doc="decoder family of the language model", choices=("llama", "qwen2"))
     save_dtype: str = param("float16", doc="dtype of the bundle's weights on disk (loaded as float32)", choices=("float16", "float32"))
     name: str = param("", doc="bundle name ('' = <task>-<family>)")
+    reasoning: str = param(
+        "", doc="ar: write the task's templated reasoning before the actions (a task name, e.g. transfer_cube; '': none)"
+    )
+    init_from: str = param("", doc="start from the weights of this bundle (same module shapes; '': random init)")
+
+    def validate(self) -> None:
+        if self.reasoning and self.family != "ar":
+            raise ConfigError(f"TrainConfig.reasoning={self.reasoning!r}: only the ar family writes reasoning")
 
     def resolved_chunk(self) -> int:
         return self.chunk_size or (10 if self.family == "ar" else 50)
@@ -97,8 +105,13 @@ class Trainer:
         self.device = torch.device(cfg.device)
         train_eps, val_eps = split_episodes(episodes, cfg.val_episodes)
         chunk = cfg.resolved_chunk()
-        self.train_set = ChunkDataset(train_eps, chunk, cfg.frame_stride)
-        self.val_set = ChunkDataset(val_eps, chunk, cfg.frame_stride) if val_eps else None
+        template = None
+        if cfg.reasoning:
+            from vla_accel_ros.core.reasoning.template import template_for
+
+            template = template_for(cfg.reasoning)
+        self.train_set = ChunkDataset(train_eps, chunk, cfg.frame_stride, reasoning=template)
+        self.val_set = ChunkDataset(val_eps, chunk, cfg.frame_stride, reasoning=template) if val_eps else None
         self.stats: DataStats = compute_stats(train_eps)
         instruction = self.train_set.instruction
         state_dim = int(train_eps[0].states.shape[1])
@@ -107,11 +120,16 @@ class Trainer:
             cfg.family, cfg.size, cameras=cfg.cameras, action_dim=int(train_eps[0].actions.shape[1]),
             chunk_size=chunk, lm_type=cfg.lm_type, state_dim=state_dim, norm_stats=self.stats.to_norm_stats(),
             name=name, default_instruction=instruction or None,
+            reasoning_words=template.words() if template else (),
+            # headroom over the template's longest text: a policy may ramble before <act>
+            max_reasoning_tokens=template.max_tokens() + 8 if template else 0,
         )  # fmt: skip
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         model = build_model(self.spec)
+        if cfg.init_from:
+            self._init_from(model, cfg.init_from)
         # The inference policy owns the layout; training runs its model in train mode.
         self.policy = build_policy(self.spec, model, PolicyConfig(parity_check=False))
         self.model = model.train().requires_grad_(True).to(self.device)
@@ -125,6 +143,21 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * cfg.epochs
         self.step = 0
         self.history: list[dict] = []
+
+    @staticmethod
+    def _init_from(model: torch.nn.Module, path: str) -> None:
+        from vla_accel_ros.core.bundle import load_bundle
+
+        weights = load_bundle(path).state_dict
+        mine = model.state_dict()
+        wrong = sorted(k for k in mine if k not in weights or tuple(weights[k].shape) != tuple(mine[k].shape))
+        if wrong or set(weights) - set(mine):
+            raise ConfigError(
+                f"TrainConfig.init_from={path}: its weights do not match this model's modules "
+                f"(missing or differently shaped: {', '.join(wrong[:5]) or 'none'}; extra: "
+                f"{', '.join(sorted(set(weights) - set(mine))[:5]) or 'none'})"
+            )
+        model.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=True)
 
     # -- checkpoints --------------------------------------------------------------------------------
     @property
@@ -184,10 +217,11 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------------
     def _loss(self, batch, generator: torch.Generator):
         dev = self.device
+        extra = {"reasoning": batch.reasoning} if batch.reasoning is not None else {}
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             return self.policy.training_loss(
                 batch.pixels.to(dev), batch.states.to(dev), batch.instruction,
-                batch.actions.to(dev), batch.valid.to(dev), generator,
+                batch.actions.to(dev), batch.valid.to(dev), generator, **extra,
             )  # fmt: skip
 
     def train_step(self, batch, generator: torch.Generator, lr: float) -> dict[str, float]:
