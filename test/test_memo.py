@@ -228,3 +228,55 @@ def test_the_template_follows_the_scripted_demonstration():
     assert "subtask : lift the cube" in text and "right open , left closed" in text
     assert len(words_of(text)) <= template.max_tokens()
     assert set(words_of(text)) <= set(template.words())
+
+
+@pytest.mark.ros
+def test_the_policy_node_publishes_its_reasoning_with_memo_on(bundle, ros_params_file):
+    """Real nodes over DDS: the reasoning bundle with memo.mode=exact set as a ROS parameter."""
+    pytest.importorskip("rclpy")
+    import threading
+
+    from std_msgs.msg import String
+
+    import helpers
+    from test_ros_graph import TIMEOUT, Probe, wait_for
+    from vla_accel_ros.ros import bringup, qos
+    from vla_accel_ros.ros.graph import POLICY, describe
+
+    with helpers.module_ros_context() as ctx:
+        graph = describe(params_file=ros_params_file, bundle=str(bundle), shared_observations=False)
+        graph = graph.with_parameters({POLICY: {"policy.memo.mode": "exact"}})
+        running = bringup.start(graph, context=ctx, threads=6)
+        probe = Probe(ctx)
+        texts: list[str] = []
+        lock = threading.Lock()
+
+        def on_text(m: String) -> None:
+            with lock:
+                texts.append(m.data)
+
+        probe.create_subscription(String, f"{POLICY}/reasoning", on_text, qos.RELIABLE)
+        running.add_node("probe", probe)
+        try:
+            assert running.wait_ready(TIMEOUT) == ""
+            wait_for(lambda: len(texts) >= 3 and probe.count("chunks") >= 3, what="3 reasoning texts and chunks")
+            assert running.nodes[POLICY].policy.config.memo.mode == "exact"
+            words = set(template_for("transfer_cube").words())
+            with lock:
+                assert all(t and set(t.split()) <= words for t in texts)
+        finally:
+            running.shutdown()
+
+
+def test_eval_reports_reuse_and_ground_truth_agreement_in_closed_loop(bundle, tmp_path):
+    out = tmp_path / "E"
+    argv = ["eval", "--bundle", str(bundle), "--episodes", "1", "--steps", "8", "--modes", "baseline,memo-exact",
+            "--report", str(out), "--open-loop-episodes", "1", "--open-loop-stride", "4", "--height", "120",
+            "--width", "160", "--no-progress", "--no-parity"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    for mode in ("baseline", "memo-exact"):
+        m = report["modes"][mode]
+        assert m["reasoning_tokens_mean"] > 0 and 0.0 <= m["reasoning_truth_agreement"]["mean"] <= 1.0
+    assert report["modes"]["baseline"]["reasoning_reused_fraction"]["max"] == 0.0
+    assert "speedup_vs_baseline" in report["modes"]["memo-exact"]

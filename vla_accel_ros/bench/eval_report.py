@@ -90,6 +90,19 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
             _md_table(ROS_HEADER, ros),
             "",
         ]
+    reasoning = [
+        [n, f"{m['reasoning_tokens_mean']:.1f}", f"{100 * m['reasoning_reused_fraction']['mean']:.1f}%",
+         f"{100 * m['reasoning_truth_agreement']['mean']:.1f}%", f"{100 * m['reasoning_truth_agreement']['identical_share']:.1f}%"]
+        for n, m in result["modes"].items() if "reasoning_truth_agreement" in m
+    ]  # fmt: skip
+    if reasoning:
+        parts += [
+            "Reasoning (reasoning bundles): words per inference, share reused from the previous frame (MEMO-VLM), "
+            "and agreement with the simulator's ground-truth reasoning at the frame's step (words; whole texts).",
+            "",
+            _md_table(["mode", "words", "reused", "ground truth (words)", "ground truth (texts)"], reasoning),
+            "",
+        ]
     parts += [f"![{p}]({p})" for p in plots]
     return "\n".join(parts) + "\n"
 

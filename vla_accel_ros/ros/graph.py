@@ -55,6 +55,7 @@ OBSERVATION_STAMP = "observation_stamp"
 CHUNK_REQUEST = "chunk_request"
 ACTION_CHUNK = "action_chunk"
 INFERENCE_STATS = "inference_stats"
+REASONING = "~/reasoning"  # std_msgs/String: what a reasoning bundle wrote before each chunk's actions
 MOTION_STATE = "motion_state"
 INSTRUCTION = "instruction"
 ESTOP = "estop"

@@ -92,6 +92,7 @@ class PolicyNode(Node):
         self._stamp_pub = self.create_publisher(Header, graph.OBSERVATION_STAMP, qos.RELIABLE)
         self._ready_pub = self.create_publisher(Bool, graph.READY, qos.LATCHED)
         self._diag_pub = self.create_publisher(DiagnosticArray, graph.DIAGNOSTICS, qos.RELIABLE)
+        self._reasoning_pub = self.create_publisher(String, graph.REASONING, qos.RELIABLE)
         self._ready_pub.publish(Bool(data=False))
         self.create_timer(1.0, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
         self._thread = threading.Thread(target=self._run, name=f"{node_name}-worker", daemon=True)
@@ -179,6 +180,8 @@ class PolicyNode(Node):
         self._stats_pub.publish(
             stats_to_msg(c, motion_mode=served.motion_mode, resets_total=self.worker.resets_total, reset_reason=served.reset_reason)
         )
+        if "reasoning_text" in c.stats:
+            self._reasoning_pub.publish(String(data=c.stats["reasoning_text"]))
 
     def _load(self) -> None:
         from vla_accel_ros.models.factory import load_for_robot  # noqa: PLC0415 - torch stays off the node's start
