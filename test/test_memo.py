@@ -197,18 +197,28 @@ def test_memo_needs_a_reasoning_bundle(tiny_bundles):
         PolicyConfig.from_dict({"memo": {"mode": "sometimes"}})
 
 
-def test_replay_reports_reuse_and_agreement(bundle, bag, tmp_path):
+def test_replay_reports_reuse_and_agreement_and_composes(bundle, bag, tmp_path):
     out = tmp_path / "R"
-    assert main(["replay", str(bag), "--bundle", str(bundle), "--modes", "baseline,memo-exact", "--warmup", "1",
-                 "--report", str(out), "--threads", "1", "--no-plots", "--no-progress"]) == 0  # fmt: skip
+    cal = bundle / CALIBRATION_FILE
+    assert main(["calibrate-reasoning", "--bundle", str(bundle), "--bag", str(bag), "--max-frames", "6", "--threads", "1"]) == 0
+    try:
+        modes = "baseline,memo-exact,memo+cache+prune,memo@bf16"
+        assert main(["replay", str(bag), "--bundle", str(bundle), "--modes", modes, "--warmup", "1", "--report", str(out),
+                     "--threads", "1", "--no-plots", "--no-progress", "--no-parity"]) == 0  # fmt: skip
+    finally:
+        cal.unlink()
     report = json.loads((out / "report.json").read_text())
     m = report["modes"]["memo-exact"]
     assert m["reasoning_agreement_vs_baseline"]["identical_share"] == 1.0
     assert m["deviation"]["identical_token_share"] == 1.0
-    assert 0.0 <= m["reasoning_reused_fraction"]["mean"] <= 1.0
-    assert 0.0 <= m["reasoning_truth_agreement"]["mean"] <= 1.0
-    assert "speedup_vs_baseline" in m
+    for name in modes.split(","):
+        r = report["modes"][name]
+        assert 0.0 <= r["reasoning_reused_fraction"]["mean"] <= 1.0 and 0.0 <= r["reasoning_truth_agreement"]["mean"] <= 1.0
+        assert r["speedup_vs_baseline"] > 0 and "reason" in r["flops"]["by_component_gflops_mean"] or name == "baseline"
+    assert report["modes"]["memo+cache+prune"]["tokens_kept_fraction"]["mean"] < 1.0  # pruning ran with memo
+    assert report["modes"]["memo@bf16"]["precision"] != report["modes"]["baseline"]["precision"]
     assert report["modes"]["baseline"]["reasoning_reused_fraction"]["max"] == 0.0
+    assert "Reasoning (MEMO-VLM)" in (out / "report.md").read_text()
 
 
 def test_the_template_follows_the_scripted_demonstration():

@@ -56,3 +56,29 @@ def test_shipped_bundle_passes_the_gate_and_beats_an_untrained_one(name, scripte
     chunk = trained.infer(demos[0].frames[0][1])
     assert chunk.actions.shape == (spec.chunk_size, spec.action_dim) and np.isfinite(chunk.actions).all()
     assert got < 0.1 and got < base / 4, (got, base)  # measured: ar 0.073 vs 0.43, flow 0.032 vs 0.39
+
+
+def test_the_shipped_reasoning_bundle_reasons_like_the_ground_truth(scripted_demo):
+    """On held-out expert frames its reasoning matches the simulator's ground truth, the
+    calibration it ships is used at load, and exact reuse changes nothing."""
+    from vla_accel_ros.bench.reasoning import truth_words, word_agreement
+    from vla_accel_ros.core.policy_config import PolicyConfig
+    from vla_accel_ros.models.factory import load_policy
+
+    demos, _, _ = scripted_demo
+    path = shipped_bundle("transfer_cube-ar-reasoning")
+    greedy = load_policy(path, PolicyConfig(parity_check=False))
+    memo = load_policy(path, PolicyConfig.from_dict({"parity_check": False, "memo": {"mode": "calibrated"}}))
+    assert memo.thresholds.calibrated.min() < 0.9  # the shipped reasoning_calibration.json, not the 1.0 default
+    exact = load_policy(path, PolicyConfig.from_dict({"parity_check": False, "memo": {"mode": "exact"}}))
+    agree = []
+    for demo in demos:
+        for step, obs in demo.frames:
+            a = greedy.infer(obs)
+            agree.append(word_agreement(a.stats["reasoning_text"].split(), truth_words("transfer_cube", step, obs.state)))
+            for _ in range(2):  # the second call on the same frame reuses everything
+                b = exact.infer(obs)
+                assert b.stats["action_tokens"] == a.stats["action_tokens"]
+                assert b.stats["reasoning_tokens"] == a.stats["reasoning_tokens"]
+            assert b.stats["reasoning_reused_fraction"] == 1.0
+    assert np.mean(agree) > 0.8, agree

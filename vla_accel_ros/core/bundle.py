@@ -228,7 +228,7 @@ def save_bundle(path: str | Path, spec: BundleSpec, state_dict: Mapping[str, Any
     return path
 
 
-SHIPPED = ("transfer_cube-ar", "transfer_cube-flow")  # trained bundles in the repository's models/
+SHIPPED = ("transfer_cube-ar", "transfer_cube-flow", "transfer_cube-ar-reasoning")  # trained bundles in the repository's models/
 
 
 def shipped_bundle(name: str) -> Path:
