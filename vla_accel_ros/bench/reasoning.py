@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.reasoning.template import template_for, words_of
 
 
@@ -19,21 +20,11 @@ def word_agreement(a: Sequence[str], b: Sequence[str]) -> float:
     return sum(x == y for x, y in zip(a, b)) / n
 
 
-def task_of(instruction: str) -> str:
-    """The simulator task whose instruction this is ('' when none is)."""
-    from vla_accel_ros.sim.aloha import TASKS
-
-    for name, spec in TASKS.items():
-        if spec.instruction == instruction:
-            return name
-    return ""
-
-
 def truth_words(task: str, step: int, state) -> list[str] | None:
     """The template's reasoning at ``step`` with ``state`` (None: no template for the task)."""
     try:
         template = template_for(task)
-    except Exception:
+    except ConfigError:  # a task without a template: nothing to compare with
         return None
     if state is None:
         return None

@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 
 from vla_accel_ros.bench.cache_bench import PRESETS, STAGES
-from vla_accel_ros.bench.reasoning import reasoning_summary, task_of, truth_words
 from vla_accel_ros.bench.flops import FORMULA, FrameWork, estimate_flops, work_from_stats
+from vla_accel_ros.bench.reasoning import reasoning_summary, truth_words
 from vla_accel_ros.bench.stats import action_deviation, action_std, distribution, percentile
 from vla_accel_ros.core.errors import BagError, ConfigError
+from vla_accel_ros.sim.aloha import task_of_instruction
 
 SCHEMA = "vla_accel_ros.replay/1"
 
@@ -385,7 +386,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
             if timed:
                 timed_frames[obs.stamp_ns] = obs.instruction
                 if spec.reasoning_words:  # one simulator step per recorded frame of an episode
-                    truths[obs.stamp_ns] = truth_words(task_of(obs.instruction), ep["frames"] - 1, obs.state)
+                    truths[obs.stamp_ns] = truth_words(task_of_instruction(obs.instruction), ep["frames"] - 1, obs.state)
             k = processed % len(runs)
             for r in runs[k:] + runs[:k]:  # rotate who runs first
                 t0 = time.perf_counter_ns()

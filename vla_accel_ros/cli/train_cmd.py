@@ -100,9 +100,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _task_name(instruction: str) -> str:
-    from vla_accel_ros.sim.aloha import TASKS
+    from vla_accel_ros.sim.aloha import task_of_instruction
 
-    for name, spec in TASKS.items():
-        if spec.instruction == instruction:
-            return name
-    return "policy"
+    return task_of_instruction(instruction) or "policy"

@@ -74,6 +74,14 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 
+def task_of_instruction(instruction: str) -> str:
+    """The simulator task whose instruction this is ('' when none is)."""
+    for name, spec in TASKS.items():
+        if spec.instruction == instruction:
+            return name
+    return ""
+
+
 @dataclass(frozen=True)
 class SimConfig(Config):
     task: str = param("transfer_cube", doc="simulated task", choices=TASK_NAMES)
