@@ -290,3 +290,17 @@ def test_eval_reports_reuse_and_ground_truth_agreement_in_closed_loop(bundle, tm
         assert m["reasoning_tokens_mean"] > 0 and 0.0 <= m["reasoning_truth_agreement"]["mean"] <= 1.0
     assert report["modes"]["baseline"]["reasoning_reused_fraction"]["max"] == 0.0
     assert "speedup_vs_baseline" in report["modes"]["memo-exact"]
+
+
+def test_memo_switches_at_run_time_or_refuses_and_changes_nothing(bundle, frames, tmp_path):
+    policy = _policy(bundle)
+    assert policy.thresholds is None
+    bad = policy.config.replace(memo=policy.config.memo.replace(mode="calibrated", calibration=str(tmp_path / "none.json")))
+    with pytest.raises(ConfigError, match="memo.calibration"):
+        policy.configure(bad)
+    assert policy.config.memo.mode == "off" and policy.thresholds is None
+    policy.infer(frames[0])
+    policy.configure(policy.config.replace(memo=policy.config.memo.replace(mode="exact")))
+    assert policy.thresholds is not None
+    policy.infer(frames[1])  # the first frame after the switch regenerates ...
+    assert policy.infer(frames[1]).stats["reasoning_reused_fraction"] == 1.0  # ... then reuses
