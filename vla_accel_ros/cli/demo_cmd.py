@@ -5,7 +5,8 @@
 2. records a short scripted transfer_cube episode from the ALOHA simulator when missing;
 3. replays that bag through both families in every mode side by side (the replay
    benchmark: latency p50/p95/p99 with selection included, speedup, frames/s, deviation,
-   reuse, kept tokens, FLOPs);
+   reuse, kept tokens, FLOPs); with the trained bundles also the reasoning bundle
+   (``transfer_cube-ar-reasoning``) regenerating its reasoning against MEMO-VLM reuse;
 4. evaluates the flow bundle in closed loop in the simulator (``vla-accel eval``: success per
    mode on the same seeds) for a few episodes;
 5. runs the ROS graph closed loop (simulator + camera + policy + controller nodes,
@@ -98,6 +99,22 @@ def _run(args: argparse.Namespace) -> int:
         write_report(result, out)
         reports[family] = out
         print(headline_text(result))
+
+    if args.size == "trained":  # the shipped reasoning bundle: MEMO-VLM reuse against full regeneration
+        from vla_accel_ros.core.bundle import shipped_bundle
+
+        memo_modes = ("baseline", "memo", "memo-exact")
+        print(f"\n[demo] replay benchmark: reasoning bundle, modes {','.join(memo_modes)}", flush=True)
+        cfg = ReplayConfig(bag=bag, bundle=shipped_bundle("transfer_cube-ar-reasoning"), modes=memo_modes)
+        result = run_replay(cfg, progress=True, command="vla-accel demo (reasoning)")
+        out = work / "reports" / "replay-ar-reasoning"
+        write_report(result, out)
+        reports["ar-reasoning"] = out
+        print(headline_text(result))
+        for name in memo_modes:
+            m = result["modes"][name]
+            print(f"  {name:<11} reasoning reused {100 * m['reasoning_reused_fraction']['mean']:5.1f}%, "
+                  f"agreement with full regeneration {100 * m['reasoning_agreement_vs_baseline']['mean']:6.2f}%")
 
     evaluation = None
     if args.eval_episodes > 0:
