@@ -178,7 +178,7 @@ class ArPolicy(PolicyBase):
                 o = self._step(ids[nxt], p0 + len(classes) - 1)
                 nxt = int(self.model.reasoning_logits(o.hidden[0, -1]).argmax())
             act_hidden = self._step(ids[self.act_class], p0 + len(classes)).hidden[0, -1]
-            if decision is not None:
+            if decision is not None and self.config.memo.mode == "calibrated":
                 # False rejections: a failed word the regeneration wrote again at its place.
                 same = [i for i in decision.failed.tolist() if i < min(len(classes), n_prev) and classes[i] == prev[i]]
                 if same:
