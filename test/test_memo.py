@@ -76,6 +76,14 @@ def test_exact_mode_equals_greedy_decoding(bundle, frames):
     assert exact.infer(frames[3]).stats["reasoning_reused_fraction"] == 1.0
 
 
+def _thresholded(bundle):
+    """A calibrated-mode policy whose thresholds the test sets itself (built in exact mode, which
+    needs no calibration file, then switched without rebuilding them)."""
+    policy = _policy(bundle, mode="exact")
+    policy.config = policy.config.replace(memo=policy.config.memo.replace(mode="calibrated"))
+    return policy
+
+
 def _failing_position(classes: list[int]) -> int:
     """The last position j >= 1 whose word occurs nowhere before it nor right after it."""
     for j in range(len(classes) - 1, 0, -1):
@@ -86,8 +94,7 @@ def _failing_position(classes: list[int]) -> int:
 
 
 def test_truncation_keeps_exactly_the_accepted_prefix_and_its_kv(bundle, frames):
-    policy = _policy(bundle, mode="exact")  # replaced thresholds below; exact needs no calibration
-    policy.config = policy.config.replace(memo=policy.config.memo.replace(mode="calibrated"))
+    policy = _thresholded(bundle)
     a_obs, b_obs = frames[0], frames[STEPS - 1]
     first = policy.infer(a_obs)
     classes = list(policy.memo_state.classes)
@@ -128,8 +135,7 @@ def test_truncation_keeps_exactly_the_accepted_prefix_and_its_kv(bundle, frames)
 
 def test_two_consecutive_failing_words_refresh(bundle, frames):
     greedy = _policy(bundle)
-    policy = _policy(bundle, mode="exact")
-    policy.config = policy.config.replace(memo=policy.config.memo.replace(mode="calibrated"))
+    policy = _thresholded(bundle)
     policy.infer(frames[0])
     classes = list(policy.memo_state.classes)
     th = policy.thresholds
@@ -146,8 +152,7 @@ def test_two_consecutive_failing_words_refresh(bundle, frames):
 
 
 def test_a_rejected_word_written_again_lowers_its_threshold(bundle, frames):
-    policy = _policy(bundle, mode="exact")
-    policy.config = policy.config.replace(memo=policy.config.memo.replace(mode="calibrated"))
+    policy = _thresholded(bundle)
     policy.infer(frames[0])
     classes = list(policy.memo_state.classes)
     th = policy.thresholds

@@ -46,6 +46,8 @@ class ArVLA(nn.Module):
         # Reasoning word class c -> vocabulary id; the last class is <act> (EOS).
         first = self.lm.config.vocab_size - spec.action_bins - len(spec.reasoning_words)
         self.reasoning_token_ids = [*range(first, first + len(spec.reasoning_words)), HashWordTokenizer.EOS]
+        # the head rows of those ids (a buffer: it follows the model's device, not in the weights)
+        self.register_buffer("reasoning_index", torch.tensor(self.reasoning_token_ids), persistent=False)
 
     @property
     def decoder(self) -> nn.Module:
@@ -61,8 +63,7 @@ class ArVLA(nn.Module):
 
     def reasoning_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the reasoning words and <act> only (the class order of ``reasoning_token_ids``)."""
-        w = self.lm.lm_head.weight
-        return hidden @ w[torch.as_tensor(self.reasoning_token_ids, device=w.device)].T  # [.., words + 1]
+        return hidden @ self.lm.lm_head.weight[self.reasoning_index].T  # [.., words + 1]
 
     def bins_from_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary id -> bin index (the highest id is bin 0, as in OpenVLA)."""
@@ -142,8 +143,7 @@ class ArPolicy(PolicyBase):
 
     def _step(self, token_id: int, slot: int, taps: TapSpec | None = None):
         s = torch.tensor([slot])
-        x = self.model.lm.model.embed_tokens(torch.tensor([[token_id]]))  # [1, 1, H]
-        return self.engine.forward(x, StepPlan(slots=s, positions=s, output_slots=s, taps=taps))
+        return self.engine.forward(self.model.embed_ids([token_id])[None], StepPlan(slots=s, positions=s, output_slots=s, taps=taps))
 
     def _reason(self, p0: int, rows_out: torch.Tensor, prev: list[int] | None) -> tuple[list[int], torch.Tensor, dict]:
         """The reasoning of this frame. ``p0``: its first slot (the prefix length);
@@ -162,7 +162,7 @@ class ArPolicy(PolicyBase):
             if self.config.memo.mode == "exact":
                 ok = (probs.argmax(-1) == target).numpy()
             else:
-                ok = (p.numpy() >= self.thresholds.of(target.numpy()))
+                ok = p.numpy() >= self.thresholds.of(target.numpy())
             every = self.config.memo.refresh_every
             decision = decide(ok, force_refresh=bool(every) and self.memo_state.frames_since_refresh + 1 >= every)
             keep = decision.keep
@@ -210,7 +210,6 @@ class ArPolicy(PolicyBase):
         p0 = layout.length
         layers = tuple(range(self.stack.num_layers))
         img = layout.image_slots()
-        img = torch.as_tensor(img) if not torch.is_tensor(img) else img
 
         def taps(slot: int) -> TapSpec:
             return TapSpec(layers=layers, query_slots=torch.tensor([slot]), key_slots=img)
@@ -351,20 +350,48 @@ class ArPolicy(PolicyBase):
         target = (bins - 1 - self.action_bins_of(actions)).reshape(b, -1)  # [B, n] rows of the head
         n_act = target.shape[1]
         w_act = valid.repeat_interleave(self.spec.action_dim, dim=1)  # [B, n]
+        classes = self._reasoning_classes(reasoning, b)  # per sample: word classes and <act> (none: [])
+        dev = target.device
+        length = max(len(c) for c in classes) + n_act  # predicted tokens per sample (padded); inputs are one fewer
+        ids = torch.zeros(b, length, dtype=torch.long, device=dev)  # PAD after each sample's end
+        cls_t = torch.zeros(b, length, dtype=torch.long, device=dev)
+        act_t = torch.zeros(b, length, dtype=torch.long, device=dev)
+        m_r = torch.zeros(b, length, dtype=torch.bool, device=dev)
+        m_a = torch.zeros(b, length, dtype=torch.float32, device=dev)
+        rid = self.model.reasoning_index.to(dev)
+        for i, c in enumerate(classes):
+            r = len(c)
+            if r:
+                ct = torch.as_tensor(c, device=dev)
+                ids[i, :r] = rid[ct]
+                cls_t[i, :r] = ct
+                m_r[i, :r] = True
+            ids[i, r : r + n_act] = target[i] + self._first_action_id
+            act_t[i, r : r + n_act] = target[i]
+            m_a[i, r : r + n_act] = w_act[i].float()
+        emb = self.model.lm.model.embed_tokens(ids[:, :-1]).to(prefix.dtype)
+        hidden = self.model.lm.model(inputs_embeds=torch.cat([prefix, emb], dim=1)).last_hidden_state[:, p - 1 :]
+        a_logits = self.model.action_logits(hidden).float()  # [B, L, bins]
+        ce_a = torch.nn.functional.cross_entropy(a_logits.transpose(1, 2), act_t, reduction="none")  # [B, L]
+        loss = (ce_a * m_a).sum() / m_a.sum().clamp_min(1.0)
+        acc = float(((a_logits.argmax(-1) == act_t).float() * m_a).sum() / m_a.sum().clamp_min(1.0))
         if not self.reasoning_words:
-            ids = target + self._first_action_id
-            emb = self.model.lm.model.embed_tokens(ids[:, :-1]).to(prefix.dtype)
-            hidden = self.model.lm.model(inputs_embeds=torch.cat([prefix, emb], dim=1)).last_hidden_state
-            logits = self.model.action_logits(hidden[:, p - 1 :]).float()  # [B, n, bins]
-            ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")  # [B, n]
-            w = w_act.to(ce.dtype)
-            loss = (ce * w).sum() / w.sum().clamp_min(1.0)
-            acc = float(((logits.argmax(-1) == target).float() * w).sum() / w.sum().clamp_min(1.0))
             return loss, {"loss": float(loss.detach()), "token_acc": acc}
+        r_logits = self.model.reasoning_logits(hidden[m_r]).float()  # [rows, words + 1]
+        ce_r = torch.nn.functional.cross_entropy(r_logits, cls_t[m_r])
+        loss = loss + ce_r
+        r_acc = float((r_logits.argmax(-1) == cls_t[m_r]).float().mean())
+        return loss, {"loss": float(loss.detach()), "token_acc": acc, "reasoning_ce": float(ce_r.detach()), "reasoning_acc": r_acc}
+
+    def _reasoning_classes(self, reasoning: list[list[str]] | None, b: int) -> list[list[int]]:
+        """Training targets before the actions: each sample's word classes then <act> (no
+        reasoning bundle: nothing)."""
+        if not self.reasoning_words:
+            return [[] for _ in range(b)]
         if reasoning is None or len(reasoning) != b:
             raise ConfigError(f"bundle {self.spec.name} writes reasoning: training needs the reasoning of every sample")
         index = {w: i for i, w in enumerate(self.reasoning_words)}
-        classes = []
+        out = []
         for words in reasoning:
             unknown = [w for w in words if w not in index]
             if unknown or len(words) > self.spec.max_reasoning_tokens:
@@ -372,36 +399,8 @@ class ArPolicy(PolicyBase):
                     f"reasoning {' '.join(words)!r}: words outside the bundle's reasoning_words ({unknown[:5]}) or longer "
                     f"than max_reasoning_tokens={self.spec.max_reasoning_tokens}"
                 )
-            classes.append([index[w] for w in words] + [self.act_class])
-        dev = target.device
-        r_max = max(len(c) for c in classes)  # words + <act>
-        length = r_max + n_act  # predicted tokens per sample (padded); inputs are one fewer
-        ids = torch.zeros(b, length, dtype=torch.long, device=dev)  # PAD after each sample's end
-        cls_t = torch.zeros(b, length, dtype=torch.long, device=dev)
-        act_t = torch.zeros(b, length, dtype=torch.long, device=dev)
-        m_r = torch.zeros(b, length, dtype=torch.bool, device=dev)
-        m_a = torch.zeros(b, length, dtype=torch.float32, device=dev)
-        rid = torch.as_tensor(self.model.reasoning_token_ids, device=dev)
-        for i, c in enumerate(classes):
-            r = len(c)
-            ct = torch.as_tensor(c, device=dev)
-            ids[i, :r] = rid[ct]
-            ids[i, r : r + n_act] = target[i] + self._first_action_id
-            cls_t[i, :r] = ct
-            m_r[i, :r] = True
-            act_t[i, r : r + n_act] = target[i]
-            m_a[i, r : r + n_act] = w_act[i].float()
-        emb = self.model.lm.model.embed_tokens(ids[:, :-1]).to(prefix.dtype)
-        hidden = self.model.lm.model(inputs_embeds=torch.cat([prefix, emb], dim=1)).last_hidden_state[:, p - 1 :]
-        r_logits = self.model.reasoning_logits(hidden).float()  # [B, L, words + 1]
-        a_logits = self.model.action_logits(hidden).float()  # [B, L, bins]
-        ce_r = torch.nn.functional.cross_entropy(r_logits[m_r], cls_t[m_r])
-        ce_a_all = torch.nn.functional.cross_entropy(a_logits.transpose(1, 2), act_t, reduction="none")  # [B, L]
-        ce_a = (ce_a_all * m_a).sum() / m_a.sum().clamp_min(1.0)
-        loss = ce_a + ce_r
-        acc = float(((a_logits.argmax(-1) == act_t).float() * m_a).sum() / m_a.sum().clamp_min(1.0))
-        r_acc = float((r_logits[m_r].argmax(-1) == cls_t[m_r]).float().mean())
-        return loss, {"loss": float(loss.detach()), "token_acc": acc, "reasoning_ce": float(ce_r.detach()), "reasoning_acc": r_acc}
+            out.append([index[w] for w in words] + [self.act_class])
+        return out
 
     @property
     def _first_action_id(self) -> int:

@@ -144,19 +144,12 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
 
-    @staticmethod
-    def _init_from(model: torch.nn.Module, path: str) -> None:
+    def _init_from(self, model: torch.nn.Module, path: str) -> None:
         from vla_accel_ros.core.bundle import load_bundle
+        from vla_accel_ros.models.factory import check_weights, stored_weights
 
+        check_weights(f"TrainConfig.init_from={path}", self.spec, stored_weights(path))  # the loader's shape rule
         weights = load_bundle(path).state_dict
-        mine = model.state_dict()
-        wrong = sorted(k for k in mine if k not in weights or tuple(weights[k].shape) != tuple(mine[k].shape))
-        if wrong or set(weights) - set(mine):
-            raise ConfigError(
-                f"TrainConfig.init_from={path}: its weights do not match this model's modules "
-                f"(missing or differently shaped: {', '.join(wrong[:5]) or 'none'}; extra: "
-                f"{', '.join(sorted(set(weights) - set(mine))[:5]) or 'none'})"
-            )
         model.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=True)
 
     # -- checkpoints --------------------------------------------------------------------------------
