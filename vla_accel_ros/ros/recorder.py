@@ -89,21 +89,27 @@ class RecorderNode(Node):
             self._rank[topic] = self._rank[ns + topic] = rank
         self.wanted = list(dict.fromkeys(t if t.startswith("/") else f"{ns}/{t}" for t in cfg.topics))
         self.writer = CdrBagWriter(cfg.out, storage=cfg.storage, compress=cfg.compress)
-        self.writer.open()
-        self._lock = threading.Lock()  # the writer and the buffer (callbacks vs close)
-        self._buffer = ReorderBuffer(int(cfg.reorder_window_s * 1e9), cfg.reorder_max_messages)
-        self._closed = False
-        self.counts: Counter[str] = Counter()
-        self.types: dict[str, str] = {}  # topic -> msgtype, once subscribed
-        self.unrecordable: dict[str, str] = {}  # topic -> why not
-        self._subs = []
-        self._sim_clock = cfg.clock == "sim"
-        if self._sim_clock:
-            self.set_parameters([Parameter("use_sim_time", value=True)])
-        self._group = MutuallyExclusiveCallbackGroup()
-        wall = Clock(clock_type=ClockType.STEADY_TIME)  # discovery must not wait for sim time
-        self.create_timer(cfg.discovery_period_s, self._discover, callback_group=MutuallyExclusiveCallbackGroup(), clock=wall)
-        self.get_logger().info(f"recording {len(self.wanted)} topics to {cfg.out} ({cfg.storage})")
+        # A Ctrl-C (or any error) before the constructor returns leaves no node for the caller
+        # to close: the bag is closed here, so it is never left without its metadata.
+        try:
+            self.writer.open()
+            self._lock = threading.Lock()  # the writer and the buffer (callbacks vs close)
+            self._buffer = ReorderBuffer(int(cfg.reorder_window_s * 1e9), cfg.reorder_max_messages)
+            self._closed = False
+            self.counts: Counter[str] = Counter()
+            self.types: dict[str, str] = {}  # topic -> msgtype, once subscribed
+            self.unrecordable: dict[str, str] = {}  # topic -> why not
+            self._subs = []
+            self._sim_clock = cfg.clock == "sim"
+            if self._sim_clock:
+                self.set_parameters([Parameter("use_sim_time", value=True)])
+            self._group = MutuallyExclusiveCallbackGroup()
+            wall = Clock(clock_type=ClockType.STEADY_TIME)  # discovery must not wait for sim time
+            self.create_timer(cfg.discovery_period_s, self._discover, callback_group=MutuallyExclusiveCallbackGroup(), clock=wall)
+            self.get_logger().info(f"recording {len(self.wanted)} topics to {cfg.out} ({cfg.storage})")
+        except BaseException:
+            self.writer.close()
+            raise
 
     # -- discovery ----------------------------------------------------------------------------------
     def _discover(self) -> None:
