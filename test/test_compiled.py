@@ -97,8 +97,9 @@ def test_export_round_trip(tiny_bundles, tmp_path, family):
     assert {p.name for p in paths} == {f"{n}.pt2" for n in programs} | {"export.json"}
 
 
-def test_int8_does_not_export(tiny_bundles):  # its packed weights live in this process
-    policy = load_policy(tiny_bundles["ar"], PolicyConfig.from_dict({"parity_check": False, "precision": {"lm": "int8"}}))
+@pytest.mark.parametrize("precision", ["int8", "hybrid"])
+def test_int8_does_not_export(tiny_bundles, precision):  # its packed weights live in this process
+    policy = load_policy(tiny_bundles["ar"], PolicyConfig.from_dict({"parity_check": False, "precision": {"lm": precision}}))
     with pytest.raises(ConfigError, match="int8"):
         export_policy(policy)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,14 @@ from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.precision import COMPONENTS, FAMILY_DEFAULTS, PrecisionConfig, preset
 from vla_accel_ros.core.types import ChunkGuidance
 from vla_accel_ros.models.factory import build_policy, load_bundle, model_from_bundle, sibling_policy
-from vla_accel_ros.models.precision import Bf16Linear, component_linears, convert_model, linear_precisions
+from vla_accel_ros.models.precision import (
+    Bf16Linear,
+    HybridLinear,
+    Int8Linear,
+    component_linears,
+    convert_model,
+    linear_precisions,
+)
 
 # Random weights put several ar action tokens near a tie, so ar gates in these tests use loose
 # token limits; the flow gate runs at its defaults.
@@ -61,17 +70,25 @@ def test_convert_model_per_component(models, family):
     counts = linear_precisions(converted)
     assert counts["int8"] == sizes["lm"]
     assert counts["bf16"] == sizes["vision"] + sizes["expert"]
-    assert linear_precisions(model) == {"fp32": sum(1 for m in model.modules() if isinstance(m, nn.Linear)), "bf16": 0, "int8": 0}
+    assert linear_precisions(model) == {
+        "fp32": sum(1 for m in model.modules() if isinstance(m, nn.Linear)), "bf16": 0, "int8": 0, "hybrid": 0
+    }  # fmt: skip
+    hybrid = linear_precisions(convert_model(model, family, PrecisionConfig(lm="hybrid").resolve(family)))
+    assert hybrid["hybrid"] == sizes["lm"] and hybrid["int8"] == hybrid["bf16"] == 0
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the original is untouched
     assert convert_model(model, family, PrecisionConfig()) is model
     lin = nn.Linear(8, 4)
     x = torch.randn(3, 8)
-    assert Bf16Linear(lin)(x).dtype == torch.float32
-    assert (Bf16Linear(lin)(x) - lin(x)).abs().max() < 2e-2
+    bf16 = Bf16Linear(lin)
+    assert bf16(x).dtype == torch.float32
+    assert (bf16(x) - lin(x)).abs().max() < 2e-2
+    # The prepacked oneDNN weight gives what a plain bf16 matmul gives.
+    assert torch.equal(bf16(x), torch.nn.functional.linear(x.bfloat16(), bf16.weight, bf16.bias).float())
+    assert torch.equal(copy.deepcopy(bf16)(x), bf16(x))  # a copy repacks
 
 
 @pytest.mark.parametrize("family", ["ar", "flow"])
-@pytest.mark.parametrize("precision", ["bf16", "int8", "auto"])
+@pytest.mark.parametrize("precision", ["bf16", "int8", "hybrid", "auto"])
 def test_each_precision_loads_infers_and_is_gated(models, family, precision):
     spec, model = models[family]
     overrides = preset(precision)
@@ -138,3 +155,20 @@ def test_parity_cli_gates_a_precision(tiny_bundles, capsys):
     assert "precision=bf16" in out and "actions_max_over_std" in out and "PASS" in out
     assert main(["parity", "--bundle", str(tiny_bundles["ar"]), "--precision", "bf16"]) == 1  # random weights flip tokens
     assert "token_differ_share" in capsys.readouterr().out
+
+
+def test_hybrid_linear_runs_int8_for_few_rows_and_bf16_for_many():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    hybrid, bf16, int8 = HybridLinear(lin, int8_max_rows=4), Bf16Linear(lin), Int8Linear(lin)
+    few, many = torch.randn(1, 4, 64), torch.randn(1, 5, 64)
+    assert torch.equal(hybrid(few), int8(few)) and not torch.equal(hybrid(few), bf16(few))
+    assert torch.equal(hybrid(many), bf16(many)) and not torch.equal(hybrid(many), int8(many))
+    # A call that needs a gradient (Real-Time Chunking guidance) takes bf16: int8 has no backward.
+    x = few.clone().requires_grad_(True)
+    out = hybrid(x)
+    assert torch.equal(out.detach(), bf16(few))
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    with pytest.raises(ConfigError, match="hybrid_int8_max_rows"):
+        PrecisionConfig(hybrid_int8_max_rows=-1)

@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--bundle", required=True)
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--precision", default="fp32", help="precision preset of the weights (fp32, bf16; int8 does not export)")
+    p.add_argument("--precision", default="fp32", help="precision preset of the weights (fp32, bf16; int8 and hybrid do not export)")
     p.add_argument("--tolerance", type=float, default=1e-3, help="max |exported - engine| accepted (exit 1 beyond)")
     p.set_defaults(func=_run)
 

@@ -12,7 +12,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--accel", default="none", help="acceleration whose path is gated (none, cache)")
     p.add_argument(
         "--precision", default="fp32",
-        help="precision preset gated against the bundle's fp32 path (fp32, bf16, int8, auto); limits: config/aloha.yaml",
+        help="precision preset gated against the bundle's fp32 path (fp32, bf16, int8, hybrid, auto); limits: config/aloha.yaml",
     )  # fmt: skip
     p.add_argument("--compile", action="store_true", help="gate the compiled static steps (torch.compile)")
     p.set_defaults(func=_run)

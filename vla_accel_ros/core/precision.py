@@ -16,6 +16,11 @@ discrete index such as a position):
   PyTorch's quantized dynamic linear (fbgemm / oneDNN, the VNNI path): the fastest for a
   few rows (ar decode), about 4x less weight traffic than fp32. No backward: a flow expert in
   int8 cannot run Real-Time Chunking guidance;
+* ``hybrid``: both copies of each weight (bf16 and int8, 3 bytes per weight against fp32's 4);
+  a call with at most ``hybrid_int8_max_rows`` rows runs int8, a larger one bf16: an ar LM's
+  decode steps take the int8 GEMV and its prefill the bf16 tiles, each the faster for its shape
+  (on 2 Xeon cores with AMX one 768-wide layer: int8 2-3x faster than bf16 for one row, bf16
+  2-3x faster than int8 for 280). Gradients (Real-Time Chunking) take bf16;
 * ``auto``: the family's measured default (:data:`FAMILY_DEFAULTS`).
 
 Every reduced-precision configuration passes the parity gate against the fp32 reference of the
@@ -30,13 +35,13 @@ from typing import Any
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError
 
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = ("fp32", "bf16", "int8", "hybrid")
 COMPONENTS = ("vision", "projector", "lm", "expert", "heads")
 
 # Measured on the small demo bundles on a 2-core Xeon (AMX, AVX512-BF16, VNNI), fastest
 # obs-to-action within the gate's default limits; see the README's "Runtime" section.
 FAMILY_DEFAULTS: dict[str, dict[str, str]] = {
-    "ar": {"vision": "bf16", "projector": "bf16", "lm": "int8", "expert": "fp32", "heads": "fp32"},
+    "ar": {"vision": "bf16", "projector": "bf16", "lm": "hybrid", "expert": "fp32", "heads": "fp32"},
     "flow": {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"},
 }
 
@@ -46,6 +51,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "bf16": {"lm": "bf16", "expert": "bf16"},
     "int8": {"lm": "int8", "expert": "int8"},
+    "hybrid": {"lm": "hybrid", "expert": "hybrid"},
     "auto": {c: "auto" for c in COMPONENTS},
 }
 
@@ -53,8 +59,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 def _component(name: str) -> Any:
     return param(
         "fp32",
-        doc=f"precision of the {name} component: fp32 | bf16 | int8 (dynamic activations) | auto (the family's "
-        "measured default); the parity gate checks it against fp32",
+        doc=f"precision of the {name} component: fp32 | bf16 | int8 (dynamic activations) | hybrid (int8 for calls "
+        "of few rows, bf16 for many) | auto (the family's measured default); the parity gate checks it against fp32",
         choices=(*PRECISIONS, "auto"),
         read_only=True,
     )
@@ -71,6 +77,13 @@ class PrecisionConfig(Config):
         False,
         doc="run the engine's static-shape steps (full prefill, ar decode, flow expert step) as torch.compile'd "
         "graphs over the custom ops; other steps (partial recompute, pruning, guidance) stay eager",
+        read_only=True,
+    )
+    hybrid_int8_max_rows: int = param(
+        32,
+        doc="hybrid: a call with at most this many rows runs its int8 copy, a larger one its bf16 copy (the "
+        "crossover measured on a 2-core AMX Xeon is 32-50 rows for 768-wide layers)",
+        range=(0, 1_000_000),
         read_only=True,
     )
     gate_ar_min_identical_tokens: float = param(

@@ -4,6 +4,7 @@ Only ``nn.Linear`` layers change; the model is copied first, so policies of othe
 (the replay's modes, the gate's fp32 reference) keep sharing the original fp32 weights.
 
 * ``bf16``: :class:`Bf16Linear` (bf16 weights; bf16 matmul, fp32 in and out);
+* ``hybrid``: :class:`HybridLinear`, both of the above, chosen per call by its row count;
 * ``int8``: PyTorch's quantized dynamic linear (``torch.ao.quantization.quantize_dynamic``,
   int8 weights per output channel, activations quantized per call: fbgemm / oneDNN with
   VNNI). torchao 0.18 works with our torch but its CPU int8 linears measured slower than fp32
@@ -28,7 +29,13 @@ from vla_accel_ros.core.precision import COMPONENTS, PrecisionConfig
 
 class Bf16Linear(nn.Module):
     """``nn.Linear`` with bf16 weights: the input is cast to bf16 for the matmul and the output
-    back to the input's dtype, so the residual stream, norms and attention stay fp32."""
+    back to the input's dtype, so the residual stream, norms and attention stay fp32.
+
+    On CPU with oneDNN, eager calls run on a copy of the weight prepacked once into oneDNN's
+    blocked layout (PyTorch's own ``mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the
+    pair torch.compile's weight freezing uses): a plain bf16 ``F.linear`` repacks the weight at
+    every call, which cost 1.2-1.8x on the 50-row flow expert matmuls. Same results. The plain
+    weight stays the parameter (state_dict, export, compiled graphs and gradients use it)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -36,12 +43,39 @@ class Bf16Linear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
         bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
         self.bias = bias
+        self._packed: torch.Tensor | None = None  # built at the first eager CPU call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+        xb = x.to(torch.bfloat16)
+        if _PREPACK and self.weight.device.type == "cpu" and not torch.compiler.is_compiling() and not (
+            x.requires_grad and torch.is_grad_enabled()
+        ):
+            if self._packed is None:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            return torch.ops.mkldnn._linear_pointwise(xb, self._packed, self.bias, "none", [], "").to(x.dtype)
+        return F.linear(xb, self.weight, self.bias).to(x.dtype)
+
+    def __getstate__(self) -> dict:
+        # A oneDNN blocked tensor has no storage to copy: copies repack on their first call.
+        return {**self.__dict__, "_packed": None}
+
+    def _apply(self, fn, recurse=True):
+        self._packed = None  # moved or cast: repack from the new weight
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _prepack_available() -> bool:
+    try:
+        ops = torch.ops.mkldnn
+        return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_PREPACK = _prepack_available()
 
 
 _HEADS = {"ar": ("state_proj",), "flow": ("state_proj", "action_in", "time_in", "time_out", "action_out")}
@@ -109,7 +143,34 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-_CONVERT = {"bf16": Bf16Linear, "int8": Int8Linear}
+class HybridLinear(nn.Module):
+    """``nn.Linear`` kept both in bf16 and in int8, each call run by the faster one for its
+    row count: int8 for at most ``int8_max_rows`` rows (a decode step: a GEMV, where the VNNI
+    path reads 4x fewer weight bytes and bf16 gains nothing), bf16 above (a prefill: AMX tiles).
+    Calls that need a gradient (Real-Time Chunking) take bf16, which has a backward. The row
+    count is a static shape, so a compiled step keeps one branch."""
+
+    def __init__(self, linear: nn.Linear, int8_max_rows: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.int8_max_rows = int8_max_rows
+        self.bf16 = Bf16Linear(linear)
+        self.int8 = Int8Linear(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        few = x.numel() <= self.int8_max_rows * self.in_features
+        if few and not (x.requires_grad and torch.is_grad_enabled()):
+            return self.int8(x)
+        return self.bf16(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8_max_rows={self.int8_max_rows}"
+
+
+def _converter(p: str, precision: PrecisionConfig):
+    if p == "hybrid":
+        return lambda linear: HybridLinear(linear, precision.hybrid_int8_max_rows)
+    return {"bf16": Bf16Linear, "int8": Int8Linear}[p]
 
 
 def convert_model(model: nn.Module, family: str, precision: PrecisionConfig) -> nn.Module:
@@ -124,16 +185,22 @@ def convert_model(model: nn.Module, family: str, precision: PrecisionConfig) -> 
             raise ConfigError(f"precision.{component}=auto: resolve the config for the family first")
         if p == "fp32":
             continue
+        convert = _converter(p, precision)
         for parent, name in linears:
-            setattr(parent, name, _CONVERT[p](getattr(parent, name)))
+            setattr(parent, name, convert(getattr(parent, name)))
     return out.eval()
 
 
 def linear_precisions(model: nn.Module) -> dict[str, int]:
-    """How many Linear layers of each kind a model has (fp32 / bf16 / int8): what ran."""
-    counts = {"fp32": 0, "bf16": 0, "int8": 0}
+    """How many Linear layers of each kind a model has (fp32 / bf16 / int8 / hybrid): what ran."""
+    counts = {"fp32": 0, "bf16": 0, "int8": 0, "hybrid": 0}
+    hybrid_parts = {id(m) for h in model.modules() if isinstance(h, HybridLinear) for m in (h.bf16, h.int8)}
     for m in model.modules():
-        if isinstance(m, Bf16Linear):
+        if id(m) in hybrid_parts:
+            continue
+        if isinstance(m, HybridLinear):
+            counts["hybrid"] += 1
+        elif isinstance(m, Bf16Linear):
             counts["bf16"] += 1
         elif isinstance(m, Int8Linear):
             counts["int8"] += 1
