@@ -116,10 +116,11 @@ def test_export_cli(tiny_bundles, tmp_path, capsys):
     assert "max |exported - engine|" in capsys.readouterr().out
 
 
-def test_int8_layers_compile_as_one_op(tiny_bundles):
+@pytest.mark.parametrize("precision", ["int8", "hybrid"])
+def test_int8_layers_compile_as_one_op(tiny_bundles, precision):
     """int8 layers stay inside the compiled graph (vla_accel::int8_linear) and give the eager
-    int8 results."""
-    config = PolicyConfig.from_dict({"parity_check": False, "precision": {"lm": "int8"}})
+    int8 results (hybrid: int8 in the decode graph, bf16 in the prefill graph)."""
+    config = PolicyConfig.from_dict({"parity_check": False, "precision": {"lm": precision}})
     eager, compiled = load_policy(tiny_bundles["ar"], config), load_policy(tiny_bundles["ar"], config)
     (engine,) = _swap_in_compiled(compiled, "aot_eager")
     obs = fixed_observation(eager.spec)
