@@ -206,6 +206,22 @@ def test_decode_steps_match_transformers_dynamic_cache(model):
     assert eng.cache.k.data_ptr() == k_ptr  # static cache: written in place, never reallocated
 
 
+def test_bf16_attention_only_above_its_row_count(model):
+    """A bf16 component's engine attends in bf16 for forwards of more than its row count (an
+    approximation, close to fp32) and in fp32 for fewer (bit-identical), the cache staying fp32."""
+    x = torch.randn(1, 48, 64)
+    ref, low = _engine(model), _engine(model)
+    low.bf16_attention_above = 8
+    a, b = ref.forward(x, _full_plan(48)), low.forward(x, _full_plan(48))
+    assert not torch.equal(a.hidden, b.hidden) and (a.hidden - b.hidden).abs().max() <= 0.05
+    assert low.cache.k.dtype == torch.float32
+    step = StepPlan(slots=torch.tensor([48]), positions=torch.tensor([48]), output_slots=torch.tensor([48]))
+    y = torch.randn(1, 1, 64)
+    low.cache.k.copy_(ref.cache.k)  # the same history (the bf16 prefill wrote slightly other K/V)
+    low.cache.v.copy_(ref.cache.v)
+    assert torch.equal(ref.forward(y, step).hidden, low.forward(y, step).hidden)
+
+
 def test_attention_taps_match_eager_attention_for_the_requested_rows():
     model = _decoder("llama", attn="eager")
     x = torch.randn(1, 40, 64)

@@ -170,5 +170,5 @@ def test_hybrid_linear_runs_int8_for_few_rows_and_bf16_for_many():
     assert torch.equal(out.detach(), bf16(few))
     out.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
-    with pytest.raises(ConfigError, match="hybrid_int8_max_rows"):
-        PrecisionConfig(hybrid_int8_max_rows=-1)
+    with pytest.raises(ConfigError, match="few_rows"):
+        PrecisionConfig(few_rows=-1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vla_accel_ros.core.engine import DecoderStack, Engine, StepOutput, StepPlan, _rel_index
+from vla_accel_ros.core.engine import DecoderStack, Engine, StepOutput, StepPlan, _rel_index, attention_dtype
 from vla_accel_ros.core.kv_cache import KVCache
 from vla_accel_ros.kernels import KernelSet
 from vla_accel_ros.kernels import ops  # noqa: F401  (registers torch.ops.vla_accel.*)
@@ -37,8 +37,9 @@ class StaticStep(nn.Module):
     the rows' K/V into the cache and marks them valid.
     """
 
-    def __init__(self, stack: DecoderStack, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, stack: DecoderStack, cos: torch.Tensor, sin: torch.Tensor, bf16_attention_above: int | None = None) -> None:
         super().__init__()
+        self.bf16_attention_above = bf16_attention_above  # as Engine's
         self.layers = stack.layers
         self.norm = stack.norm
         self.apply_rope = stack.apply_rope
@@ -52,6 +53,7 @@ class StaticStep(nn.Module):
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, D]
         allowed_rows = allowed[slots]  # [n, S]
+        low = attention_dtype(self.bf16_attention_above, n, x.dtype)
         for l, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -62,7 +64,10 @@ class StaticStep(nn.Module):
             torch.ops.vla_accel.write_kv(k_cache[l], v_cache[l], slots, k, v)
             valid[l].index_fill_(0, slots, True)
             mask = allowed_rows & valid[l]  # [n, S]
-            o = torch.ops.vla_accel.attend(q, k_cache[l], v_cache[l], mask, self.scaling)  # [B, Hq, n, D]
+            if low is None:
+                o = torch.ops.vla_accel.attend(q, k_cache[l], v_cache[l], mask, self.scaling)  # [B, Hq, n, D]
+            else:
+                o = torch.ops.vla_accel.attend(q.to(low), k_cache[l].to(low), v_cache[l].to(low), mask, self.scaling).to(q.dtype)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
@@ -86,10 +91,11 @@ class CompiledEngine(Engine):
         *,
         max_positions: int | None = None,
         kernels: KernelSet | None = None,
+        bf16_attention_above: int | None = None,
         backend: str = "inductor",
     ) -> None:
-        super().__init__(stack, cache, max_positions=max_positions, kernels=kernels)
-        self.step = StaticStep(stack, self.cos, self.sin)
+        super().__init__(stack, cache, max_positions=max_positions, kernels=kernels, bf16_attention_above=bf16_attention_above)
+        self.step = StaticStep(stack, self.cos, self.sin, bf16_attention_above)
         self.compiled = torch.compile(self.step, backend=backend, dynamic=False, fullgraph=True)
         self.static_calls = 0  # how many forwards took the compiled graph
 
@@ -110,8 +116,10 @@ class CompiledEngine(Engine):
         )  # fmt: skip
 
 
-def build_engine(stack: DecoderStack, cache: KVCache, *, max_positions: int | None = None, compile: bool = False) -> Engine:
+def build_engine(
+    stack: DecoderStack, cache: KVCache, *, max_positions: int | None = None, compile: bool = False,
+    bf16_attention_above: int | None = None,
+) -> Engine:  # fmt: skip
     """The engine a policy runs: eager, or with its static steps compiled."""
-    if compile:
-        return CompiledEngine(stack, cache, max_positions=max_positions)
-    return Engine(stack, cache, max_positions=max_positions)
+    cls = CompiledEngine if compile else Engine
+    return cls(stack, cache, max_positions=max_positions, bf16_attention_above=bf16_attention_above)

@@ -143,6 +143,13 @@ class StepOutput:
     dropped: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+def attention_dtype(bf16_above: int | None, rows: int, dtype: torch.dtype) -> torch.dtype | None:
+    """bf16 when a forward of ``rows`` rows attends in bf16 (and ``dtype`` is not bf16), else None."""
+    if bf16_above is None or rows <= bf16_above or dtype == torch.bfloat16:
+        return None
+    return torch.bfloat16
+
+
 def _rel_index(superset: torch.Tensor, subset: torch.Tensor, what: str) -> torch.Tensor:
     """Positions of ``subset`` inside ascending ``superset``; PlanError if one is missing."""
     idx = torch.searchsorted(superset, subset)
@@ -161,7 +168,10 @@ class Engine:
         *,
         max_positions: int | None = None,
         kernels: KernelSet | None = None,
+        bf16_attention_above: int | None = None,
     ) -> None:
+        """``bf16_attention_above``: forwards of more rows attend in bf16 (q, k, v cast for the
+        kernel, the output back; the cache stays in its dtype); None: never."""
         if cache.num_layers != stack.num_layers:
             raise ValueError(f"cache has {cache.num_layers} layers, the decoder {stack.num_layers}")
         self.stack = stack
@@ -171,6 +181,7 @@ class Engine:
         self.kernels = kernels or get_kernels(self.device)
         max_positions = max_positions or stack.model.config.max_position_embeddings
         self.cos, self.sin = stack.rope_table(max_positions, self.dtype, self.device)
+        self.bf16_attention_above = bf16_attention_above
 
     def forward(self, x: torch.Tensor, plan: StepPlan, *, differentiable: bool = False) -> StepOutput:
         """x: [B, N, H] input embeddings of ``plan.slots`` (in that order).
@@ -266,6 +277,7 @@ class Engine:
         forward over several segments (pipelined frames) costs what its segments cost apart,
         not rows x every slot of the cache."""
         cache, kern, scale = self.cache, self.kernels, self.stack.scaling
+        low = attention_dtype(self.bf16_attention_above, rows.numel(), q.dtype)
         starts = cache.seg_start[rows]  # [n]
         if bool((starts == starts[0]).all()):
             groups = [(None, int(starts[0]), int(cache.visible_end[rows].max()))]
@@ -290,7 +302,10 @@ class Engine:
                 if n_cols < _COMPACT_BELOW * cols.numel():
                     keep = torch.nonzero(cols).flatten()
                     keys, values, mask = keys.index_select(2, keep), values.index_select(2, keep), mask[:, keep]
-            o = kern.attend(qg, keys, values, mask, scale)  # [B, Hq, n_g, D]
+            if low is None:
+                o = kern.attend(qg, keys, values, mask, scale)  # [B, Hq, n_g, D]
+            else:
+                o = kern.attend(qg.to(low), keys.to(low), values.to(low), mask, scale).to(q.dtype)
             if out is None:
                 return o
             out[:, :, idx] = o

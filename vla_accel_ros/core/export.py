@@ -51,7 +51,7 @@ def export_step(engine: Engine, slots: torch.Tensor, positions: torch.Tensor | N
     if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in engine.stack.model.modules()):
         # The int8 layers are an op over packed weights held by this process: not portable.
         raise ConfigError("int8 and hybrid components do not export (their packed weights live in this process); use fp32 or bf16")
-    step = StaticStep(engine.stack, engine.cos, engine.sin).eval()
+    step = StaticStep(engine.stack, engine.cos, engine.sin, engine.bf16_attention_above).eval()
     args = tuple(a.clone() for a in step_inputs(engine, slots, positions))
     with torch.inference_mode(False), torch.no_grad():
         try:

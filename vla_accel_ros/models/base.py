@@ -150,9 +150,13 @@ class PolicyBase:
 
     prefix_engine: Engine
 
-    def make_engine(self, stack: DecoderStack, cache: KVCache, max_positions: int) -> Engine:
-        """An engine over ``cache``: eager, or with its static steps compiled (``precision.compile``)."""
-        return build_engine(stack, cache, max_positions=max_positions, compile=self.config.precision.compile)
+    def make_engine(self, stack: DecoderStack, cache: KVCache, max_positions: int, component: str = "lm") -> Engine:
+        """An engine over ``cache`` for the decoder of ``component`` (its precision sets the
+        attention's): eager, or with its static steps compiled (``precision.compile``)."""
+        return build_engine(
+            stack, cache, max_positions=max_positions, compile=self.config.precision.compile,
+            bf16_attention_above=self.precision.bf16_attention_above(component),
+        )  # fmt: skip
 
     def prepare_cache(self, layout: PrefixLayout) -> None:
         """Make the KV cache ready for a prefix of this layout. :meth:`infer` does it itself;

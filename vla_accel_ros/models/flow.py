@@ -82,7 +82,7 @@ class FlowPolicy(PolicyBase):
         # One cache: the VLM writes the prefix rows, the expert writes and reads the chunk rows.
         self.cache = self.vlm_stack.make_cache(self.max_slots)
         self.vlm_engine = self.make_engine(self.vlm_stack, self.cache, self.max_slots)
-        self.expert_engine = self.make_engine(self.expert_stack, self.cache, self.max_slots)
+        self.expert_engine = self.make_engine(self.expert_stack, self.cache, self.max_slots, component="expert")
         self.prefix_engine = self.vlm_engine
         self.action_norm = Normalizer(spec.norm_stats["action"], spec.action_dim, "norm_stats.action")
         self._layout_len = -1

@@ -93,7 +93,9 @@ class PipelinedAr:
         self.cache.set_layout([Segment(r * self.region_len, (Block(self.region_len, "causal"),)) for r in range(depth)])
         from vla_accel_ros.core.engine import Engine
 
-        self.engine = Engine(policy.stack, self.cache, max_positions=self.region_len)
+        self.engine = Engine(
+            policy.stack, self.cache, max_positions=self.region_len, bf16_attention_above=policy.engine.bf16_attention_above
+        )
         self.planner = make_planner(policy.config)
         self.source = f"{policy.source}/pipeline"
         self.reset()

@@ -169,7 +169,7 @@ class HybridLinear(nn.Module):
 
 def _converter(p: str, precision: PrecisionConfig):
     if p == "hybrid":
-        return lambda linear: HybridLinear(linear, precision.hybrid_int8_max_rows)
+        return lambda linear: HybridLinear(linear, precision.few_rows)
     return {"bf16": Bf16Linear, "int8": Int8Linear}[p]
 
 
