@@ -41,7 +41,8 @@ PRECISIONS = ("fp32", "bf16", "int8", "hybrid")
 COMPONENTS = ("vision", "projector", "lm", "expert", "heads")
 
 # Measured on the small demo bundles on a 2-core Xeon (AMX, AVX512-BF16, VNNI), fastest
-# obs-to-action within the gate's default limits; see the README's "Runtime" section.
+# obs-to-action within the gate's default limits; see the README's "Runtime" section. The gate
+# still decides per bundle: the shipped trained ar bundle refuses its LM in int8 or hybrid.
 FAMILY_DEFAULTS: dict[str, dict[str, str]] = {
     "ar": {"vision": "bf16", "projector": "bf16", "lm": "hybrid", "expert": "fp32", "heads": "fp32"},
     "flow": {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"},
