@@ -544,3 +544,21 @@ def test_a_recorder_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
     out, _ = proc.communicate(timeout=30)
     assert "recording" in line and "nothing was recorded" in out and "Traceback" not in out, line + out
     assert (tmp_path / "bag" / "metadata.yaml").is_file()  # closed in order
+
+
+def test_a_recorder_interrupted_while_it_is_built_closes_its_bag(ros_context, tmp_path):
+    """A Ctrl-C that lands after the bag is opened but before the node exists leaves the caller
+    nothing to close: the constructor closes the bag itself (metadata written, no message)."""
+    from rclpy.parameter import Parameter
+
+    from vla_accel_ros.ros.recorder import RecorderNode
+
+    class InterruptedRecorder(RecorderNode):  # the interrupt lands in the last step of the build
+        def create_timer(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+    out = tmp_path / "bag"
+    overrides = [Parameter("out", value=str(out)), Parameter("topics", value=["/a"])]
+    with pytest.raises(KeyboardInterrupt):
+        InterruptedRecorder(context=ros_context, parameter_overrides=overrides)
+    assert (out / "metadata.yaml").is_file()
