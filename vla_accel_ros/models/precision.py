@@ -29,7 +29,7 @@ from vla_accel_ros.core.precision import COMPONENTS, PrecisionConfig
 
 class Bf16Linear(nn.Module):
     """``nn.Linear`` with bf16 weights: the input is cast to bf16 for the matmul and the output
-    back to the input's dtype, so the residual stream, norms and attention stay fp32.
+    back to the input's dtype, so the residual stream and the norms stay fp32.
 
     On CPU with oneDNN, eager calls run on a copy of the weight prepacked once into oneDNN's
     blocked layout (PyTorch's own ``mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the
