@@ -109,6 +109,10 @@ def test_each_precision_loads_infers_and_is_gated(models, family, precision):
         measured = max(v for k, v in report.metrics.items() if k.endswith("_max_abs"))
         assert measured > 0, "random tiny ar weights flip some token under reduced precision"
         bad = {**LOOSE_AR, "gate_ar_max_abs": measured / 2}
+    if precision == "auto":  # auto steps back towards fp32 instead of refusing
+        fallback = build_policy(spec, model, PolicyConfig.from_dict({"precision": {**overrides, **bad}}))
+        assert fallback.precision.label() != policy.precision.label()
+        return
     with pytest.raises(ParityError, match="refuses to start"):
         build_policy(spec, model, PolicyConfig.from_dict({"precision": {**overrides, **bad}}))
 
@@ -172,3 +176,20 @@ def test_hybrid_linear_runs_int8_for_few_rows_and_bf16_for_many():
     assert x.grad is not None and torch.isfinite(x.grad).all()
     with pytest.raises(ConfigError, match="few_rows"):
         PrecisionConfig(few_rows=-1)
+
+
+def test_auto_falls_back_while_the_gate_refuses(models):
+    """``auto`` steps components back to fp32 until the gate accepts (random tiny ar weights
+    flip tokens under every reduced precision); an explicit precision never falls back."""
+    spec, model = models["ar"]
+    config = PolicyConfig.from_dict({"precision": preset("auto")})  # the default, strict limits
+    labels = [c.label() for c in config.precision.candidates("ar")]
+    assert labels == ["vision=bf16,projector=bf16,lm=hybrid", "vision=bf16,projector=bf16", "fp32"]
+    policy = build_policy(spec, model, config)
+    assert policy.precision.label() in labels[1:] and policy.config.precision.lm == "auto"
+    assert any(f"the gate refused {labels[0]}" in n for n in policy.parity_report.notes)
+    with pytest.raises(ParityError, match="refuses to start"):
+        build_policy(spec, model, PolicyConfig.from_dict({"precision": {"lm": "hybrid"}}))
+    # Components not set to auto keep their value; without auto there is one candidate.
+    assert [c.vision for c in PrecisionConfig(lm="auto", vision="bf16").candidates("ar")] == ["bf16", "bf16"]
+    assert len(PrecisionConfig(lm="int8").candidates("ar")) == 1

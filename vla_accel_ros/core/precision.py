@@ -23,7 +23,8 @@ where SDPA's bf16 kernel is 1.3-1.7x faster than fp32 (not for a decode row, whe
   decode steps take the int8 GEMV and its prefill the bf16 tiles, each the faster for its shape
   (on 2 Xeon cores with AMX one 768-wide layer: int8 2-3x faster than bf16 for one row, bf16
   2-3x faster than int8 for 280). Gradients (Real-Time Chunking) take bf16;
-* ``auto``: the family's measured default (:data:`FAMILY_DEFAULTS`).
+* ``auto``: the family's measured default (:data:`FAMILY_DEFAULTS`); where the parity gate
+  refuses it, the first of :data:`AUTO_FALLBACKS` the gate accepts.
 
 Every reduced-precision configuration passes the parity gate against the fp32 reference of the
 same bundle (``gate_*`` limits below) or the policy refuses to start.
@@ -42,10 +43,19 @@ COMPONENTS = ("vision", "projector", "lm", "expert", "heads")
 
 # Measured on the small demo bundles on a 2-core Xeon (AMX, AVX512-BF16, VNNI), fastest
 # obs-to-action within the gate's default limits; see the README's "Runtime" section. The gate
-# still decides per bundle: the shipped trained ar bundle refuses its LM in int8 or hybrid.
+# still decides per bundle (see AUTO_FALLBACKS).
 FAMILY_DEFAULTS: dict[str, dict[str, str]] = {
     "ar": {"vision": "bf16", "projector": "bf16", "lm": "hybrid", "expert": "fp32", "heads": "fp32"},
     "flow": {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"},
+}
+
+# When the parity gate refuses ``auto``'s configuration on a bundle, these are tried next, in
+# order (each takes more components back to fp32; components not set to ``auto`` keep their
+# value): a trained model can be more sensitive than the random ones the defaults were
+# measured on (the shipped ar bundle flips 25% of its tokens with its LM in int8 or hybrid).
+AUTO_FALLBACKS: dict[str, tuple[dict[str, str], ...]] = {
+    "ar": ({"lm": "fp32"}, {c: "fp32" for c in COMPONENTS}),
+    "flow": ({"expert": "fp32"}, {"lm": "fp32", "expert": "fp32"}, {c: "fp32" for c in COMPONENTS}),
 }
 
 # Named presets for the replay / eval mode suffix (``baseline@bf16``): overrides of
@@ -116,6 +126,18 @@ class PrecisionConfig(Config):
         if family != "flow":
             values["expert"] = "fp32"
         return self.replace(**values)
+
+    def candidates(self, family: str) -> list["PrecisionConfig"]:
+        """The resolved configurations to gate, in order: :meth:`resolve` first, then, for the
+        components set to ``auto``, the family's :data:`AUTO_FALLBACKS` (without repeats)."""
+        first = self.resolve(family)
+        auto = [c for c in COMPONENTS if getattr(self, c) == "auto"]
+        out = [first]
+        for fallback in AUTO_FALLBACKS[family] if auto else ():
+            cand = first.replace(**{c: v for c, v in fallback.items() if c in auto})
+            if all(cand.components() != o.components() for o in out):
+                out.append(cand)
+        return out
 
     def bf16_attention_above(self, component: str) -> int | None:
         """Row count above which ``component``'s attention runs in bf16 (None: always fp32)."""

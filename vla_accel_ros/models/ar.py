@@ -26,6 +26,7 @@ from pathlib import Path
 from vla_accel_ros.core.engine import DecoderStack, StepPlan, TapSpec
 from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.precision import PrecisionConfig
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner, plan_stats
 from vla_accel_ros.core.reasoning.memo import ACT, CALIBRATION_FILE, Calibration, MemoState, Thresholds, decide
@@ -74,9 +75,10 @@ class ArPolicy(PolicyBase):
     family = "ar"
 
     def __init__(
-        self, spec: BundleSpec, model: ArVLA, config: PolicyConfig, planner: PrefixPlanner | None = None, *, bundle_path: str = ""
-    ) -> None:
-        super().__init__(spec, config, planner)
+        self, spec: BundleSpec, model: ArVLA, config: PolicyConfig, planner: PrefixPlanner | None = None, *,
+        bundle_path: str = "", precision: PrecisionConfig | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(spec, config, planner, precision)
         self.bundle_path = bundle_path  # where a calibration file next to the weights is looked for
         self.model = model.eval().requires_grad_(False)
         self.num_action_tokens = spec.action_dim * spec.chunk_size

@@ -20,7 +20,7 @@ from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.compiled import build_engine
 from vla_accel_ros.core.engine import DecoderStack, Engine, StepPlan
 from vla_accel_ros.core.kv_cache import KVCache
-from vla_accel_ros.core.precision import COMPONENTS
+from vla_accel_ros.core.precision import COMPONENTS, PrecisionConfig
 from vla_accel_ros.core.prefix import FullRecompute, PrefixContext, PrefixLayout, PrefixPlan, PrefixPlanner
 from vla_accel_ros.core.robot.motion import MODE_NAMES
 from vla_accel_ros.core.types import Observation
@@ -101,7 +101,9 @@ class PolicyBase:
 
     family = ""
 
-    def __init__(self, spec: BundleSpec, config: PolicyConfig, planner: PrefixPlanner | None) -> None:
+    def __init__(
+        self, spec: BundleSpec, config: PolicyConfig, planner: PrefixPlanner | None, precision: PrecisionConfig | None = None
+    ) -> None:
         self.spec = spec
         self.config = config
         self.planner: PrefixPlanner = planner or FullRecompute()
@@ -113,8 +115,9 @@ class PolicyBase:
         self.motion_mode = MOTION_MODES[0]
         # Names this policy's KV cache in every PrefixContext (a counter, never reused like id()).
         self.source = f"{spec.name}#{next(_INSTANCES)}"
-        # What the weights run at (``auto`` resolved); models.factory converted them to it.
-        self.precision = config.precision.resolve(self.family)
+        # What the weights run at (``auto`` resolved, or the fallback the gate accepted);
+        # models.factory converted them to it.
+        self.precision = precision or config.precision.resolve(self.family)
         self.state_norm = (
             Normalizer(spec.norm_stats["state"], spec.state_dim, "norm_stats.state") if spec.state_dim else None
         )

@@ -222,14 +222,14 @@ def load_for_robot(cfg: PolicyNodeConfig, instruction: str = ""):
     return policy
 
 
-def _policy(spec: BundleSpec, model: nn.Module, config: PolicyConfig, planner, bundle_path: str = ""):
+def _policy(spec: BundleSpec, model: nn.Module, config: PolicyConfig, planner, bundle_path: str = "", precision=None):
     if spec.family == "ar":
         from vla_accel_ros.models.ar import ArPolicy
 
-        return ArPolicy(spec, model, config, planner, bundle_path=bundle_path)
+        return ArPolicy(spec, model, config, planner, bundle_path=bundle_path, precision=precision)
     from vla_accel_ros.models.flow import FlowPolicy
 
-    return FlowPolicy(spec, model, config, planner)
+    return FlowPolicy(spec, model, config, planner, precision=precision)
 
 
 def build_policy(
@@ -249,32 +249,42 @@ def build_policy(
     ``config.precision`` below fp32 runs on a converted copy of ``model`` (``converted``, a
     dict the caller keeps, shares one copy per precision between policies); the gate then
     compares it with the fp32 transformers path of ``model`` on ``gate_observations`` (two
-    frames; default: the gate's synthetic frames)."""
+    frames; default: the gate's synthetic frames). Components set to ``auto`` fall back as
+    :meth:`PrecisionConfig.candidates` lists while the gate refuses (its report notes which)."""
     from vla_accel_ros.models.precision import convert_model
 
     config = config or PolicyConfig()
-    planner = planner or make_planner(config)
-    precision = config.precision.resolve(spec.family)
-    run_model = model
-    if precision.reduced:
-        key = precision.label()
-        run_model = converted.get(key) if converted is not None else None
-        if run_model is None:
-            run_model = convert_model(model, spec.family, precision)
-            if converted is not None:
-                converted[key] = run_model
-    policy = _policy(spec, run_model, config, planner, bundle_path)
-    if config.parity_check:
+    candidates = config.precision.candidates(spec.family)
+    fp32_ref = None
+    refused: list[str] = []
+    for precision in candidates:
+        run_model = model
+        if precision.reduced:
+            key = precision.label()
+            run_model = converted.get(key) if converted is not None else None
+            if run_model is None:
+                run_model = convert_model(model, spec.family, precision)
+                if converted is not None:
+                    converted[key] = run_model
+        policy = _policy(spec, run_model, config, planner or make_planner(config), bundle_path, precision)
+        if not config.parity_check:
+            return policy
         from vla_accel_ros.core.parity import fp32_reference, run_parity
 
         if precision.reduced:
-            fp32 = _policy(spec, model, PolicyConfig(parity_check=False), None)
-            policy.fp32_reference = fp32_reference(fp32, observations=gate_observations)
+            if fp32_ref is None:
+                fp32 = _policy(spec, model, PolicyConfig(parity_check=False), None)
+                fp32_ref = fp32_reference(fp32, observations=gate_observations)
+            policy.fp32_reference = fp32_ref
         report = run_parity(policy, tolerance=config.parity_tolerance, observations=gate_observations)
-        if not report.passed:
-            raise ParityError(f"{where or spec.name}: parity gate failed, the policy refuses to start:\n{report.table()}")
-        policy.parity_report = report
-    return policy
+        if report.passed:
+            if refused:
+                report.notes.append(f"precision auto: the gate refused {'; '.join(refused)}, running {precision.label()}")
+            policy.parity_report = report
+            return policy
+        refused.append(precision.label())
+    tried = f" (precision auto tried {'; '.join(refused)})" if len(refused) > 1 else ""
+    raise ParityError(f"{where or spec.name}: parity gate failed{tried}, the policy refuses to start:\n{report.table()}")
 
 
 def sibling_policy(policy, config: PolicyConfig, **kwargs):

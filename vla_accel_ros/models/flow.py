@@ -23,6 +23,7 @@ from vla_accel_ros.core.engine import DecoderStack, StepPlan
 from vla_accel_ros.core.errors import ConfigError, ObservationError
 from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.precision import PrecisionConfig
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner, plan_stats
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
 from vla_accel_ros.models.base import PolicyBase, StageTimer, VisionPrefix
@@ -70,8 +71,11 @@ def rtc_guidance_gain(t: float, max_guidance: float) -> float:
 class FlowPolicy(PolicyBase):
     family = "flow"
 
-    def __init__(self, spec: BundleSpec, model: FlowVLA, config: PolicyConfig, planner: PrefixPlanner | None = None) -> None:
-        super().__init__(spec, config, planner)
+    def __init__(
+        self, spec: BundleSpec, model: FlowVLA, config: PolicyConfig, planner: PrefixPlanner | None = None, *,
+        precision: PrecisionConfig | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(spec, config, planner, precision)
         # Inference only; RTC differentiates w.r.t. the chunk, never the weights.
         self.model = model.eval().requires_grad_(False)
         self.vlm_stack = DecoderStack(model.vlm)
