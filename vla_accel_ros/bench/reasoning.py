@@ -8,7 +8,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from vla_accel_ros.core.errors import ConfigError
-from vla_accel_ros.core.reasoning.template import template_for, words_of
+from vla_accel_ros.core.reasoning.template import template_for
+from vla_accel_ros.core.text import words_of
 
 
 def word_agreement(a: Sequence[str], b: Sequence[str]) -> float:

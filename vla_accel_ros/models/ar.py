@@ -16,18 +16,18 @@ longer holds is regenerated (:mod:`vla_accel_ros.core.reasoning.memo`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch import nn
 
 from vla_accel_ros.core.bundle import BundleSpec
-from pathlib import Path
-
 from vla_accel_ros.core.engine import DecoderStack, StepPlan, TapSpec
+from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.precision import PrecisionConfig
-from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner, plan_stats
 from vla_accel_ros.core.reasoning.memo import ACT, CALIBRATION_FILE, Calibration, MemoState, Thresholds, decide
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation

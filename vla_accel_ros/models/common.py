@@ -16,6 +16,7 @@ from torch import nn
 
 from vla_accel_ros.core.errors import BundleError, ObservationError
 from vla_accel_ros.core.robot.images import resize_rgb
+from vla_accel_ros.core.text import words_of
 
 # Language models the engine can drive, by the ``model_type`` a bundle names.
 _LM_TYPES = ("llama", "qwen2")
@@ -97,7 +98,6 @@ class HashWordTokenizer:
     """
 
     PAD, BOS, EOS = 0, 1, 2
-    _WORDS = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
     def __init__(self, text_vocab: int, offset: int = 3) -> None:
         if text_vocab < 16:
@@ -107,7 +107,7 @@ class HashWordTokenizer:
 
     def encode(self, text: str) -> list[int]:
         ids = []
-        for word in self._WORDS.findall(text.lower()):
+        for word in words_of(text):
             h = 0xCBF29CE484222325
             for b in word.encode("utf-8"):
                 h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF

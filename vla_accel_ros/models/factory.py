@@ -251,6 +251,7 @@ def build_policy(
     compares it with the fp32 transformers path of ``model`` on ``gate_observations`` (two
     frames; default: the gate's synthetic frames). Components set to ``auto`` fall back as
     :meth:`PrecisionConfig.candidates` lists while the gate refuses (its report notes which)."""
+    from vla_accel_ros.core.parity import fp32_reference, run_parity
     from vla_accel_ros.models.precision import convert_model
 
     config = config or PolicyConfig()
@@ -269,8 +270,6 @@ def build_policy(
         policy = _policy(spec, run_model, config, planner or make_planner(config), bundle_path, precision)
         if not config.parity_check:
             return policy
-        from vla_accel_ros.core.parity import fp32_reference, run_parity
-
         if precision.reduced:
             if fp32_ref is None:
                 fp32 = _policy(spec, model, PolicyConfig(parity_check=False), None)

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from vla_accel_ros.core.errors import BagError, ConfigError
-from vla_accel_ros.core.reasoning.template import ReasoningTemplate, words_of
+from vla_accel_ros.core.reasoning.template import ReasoningTemplate
+from vla_accel_ros.core.text import words_of
 
 
 @dataclass

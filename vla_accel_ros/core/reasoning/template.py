@@ -17,19 +17,12 @@ what makes it worth reusing across frames.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from vla_accel_ros.core.errors import ConfigError
-
-# The tokenizer's word rule (HashWordTokenizer): one token per word or punctuation mark.
-_WORDS = re.compile(r"\w+|[^\w\s]", re.UNICODE)
-
-
-def words_of(text: str) -> list[str]:
-    return _WORDS.findall(text.lower())
+from vla_accel_ros.core.text import words_of
 
 
 @dataclass(frozen=True)
