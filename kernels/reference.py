@@ -20,9 +20,15 @@ class ReferenceKernels:
     @staticmethod
     def attend(q, k, v, mask, scale) -> torch.Tensor:
         # q: [B, Hq, n, D], k/v: [B, Hkv, S, D], mask: [n, S] (broadcast over batch and heads).
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        B, Hq, n, D = q.shape
+        Hkv = k.shape[1]
+        if bool(mask.all()):
+            # Every row reads every key (a flow expert step, a bidirectional prefix, a decode
+            # row): SDPA's unmasked path, with each kv head's query heads stacked as rows, so
+            # its K/V are read once per group. 1.6-1.9x faster in bf16 (50 rows, 340 keys).
+            o = F.scaled_dot_product_attention(q.reshape(B, Hkv, (Hq // Hkv) * n, D), k, v, scale=scale)
+            return o.view(B, Hq, n, D)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
 
 
 register("reference", ReferenceKernels, lambda device: True)

@@ -222,6 +222,32 @@ def test_bf16_attention_only_above_its_row_count(model):
     assert torch.equal(ref.forward(y, step).hidden, low.forward(y, step).hidden)
 
 
+def test_keys_nobody_reads_are_left_out_so_attention_runs_unmasked(model):
+    """A hole every row skips (pruned tokens, text padding): the engine gathers the readable
+    keys, so the kernel gets a mask without holes; the results are transformers' with the
+    hole masked out."""
+    x = torch.randn(1, 40, 64)
+    eng = _engine(model)
+    eng.forward(x, _full_plan(40))
+    eng.cache.invalidate(torch.arange(25, 30), from_layer=0)  # 36 of 41 keys readable
+    seen = []
+    attend, write_kv = eng.kernels.attend, eng.kernels.write_kv
+
+    def spy(q, k, v, mask, scale):
+        seen.append((k.shape[2], bool(mask.all())))
+        return attend(q, k, v, mask, scale)
+
+    eng.kernels = type("Spy", (), {"attend": staticmethod(spy), "write_kv": staticmethod(write_kv)})()
+    y = torch.randn(1, 1, 64)
+    step = StepPlan(slots=torch.tensor([40]), positions=torch.tensor([40]), output_slots=torch.tensor([40]))
+    got = eng.forward(y, step).hidden
+    assert seen == [(36, True)] * 4
+    mask = torch.ones(41, 41, dtype=torch.bool).tril()
+    mask[40, 25:30] = False
+    ref = _hf(model, torch.cat([x, y], 1), mask=mask[None, None])
+    assert (got - ref[:, 40:]).abs().max() <= TOL
+
+
 def test_attention_taps_match_eager_attention_for_the_requested_rows():
     model = _decoder("llama", attn="eager")
     x = torch.randn(1, 40, 64)

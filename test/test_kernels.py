@@ -22,11 +22,14 @@ def test_kernel_set_matches_reference(name):
     q = torch.randn(B, Hq, n, D)
     mask = torch.rand(n, S) > 0.3
     mask[:, 0] = True
-    out = ks.attend(q, kc, vc, mask, 0.25)
     kr, vr = kc.repeat_interleave(Hq // Hkv, 1), vc.repeat_interleave(Hq // Hkv, 1)
     scores = (q @ kr.transpose(-1, -2)) * 0.25
-    ref = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vr
-    assert (out - ref).abs().max() <= 1e-5
+    for m in (mask, torch.ones(n, S, dtype=torch.bool)):  # a mask without holes takes the unmasked path
+        out = ks.attend(q, kc, vc, m, 0.25)
+        ref = scores.masked_fill(~m, float("-inf")).softmax(-1) @ vr
+        assert (out - ref).abs().max() <= 1e-5
+        # Each query head reads its own kv head (head h: kv head h // (Hq / Hkv)).
+        assert (out[:, 1] - ks.attend(q[:, 1:2], kc[:, :1], vc[:, :1], m, 0.25)[:, 0]).abs().max() <= 1e-6
 
 
 def test_selection_and_errors():

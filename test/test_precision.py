@@ -15,8 +15,10 @@ from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.precision import COMPONENTS, FAMILY_DEFAULTS, PrecisionConfig, preset
 from vla_accel_ros.core.types import ChunkGuidance
 from vla_accel_ros.models.factory import build_policy, load_bundle, model_from_bundle, sibling_policy
+from vla_accel_ros.core.engine import DecoderStack
 from vla_accel_ros.models.precision import (
     Bf16Linear,
+    FusedLinear,
     HybridLinear,
     Int8Linear,
     component_linears,
@@ -193,3 +195,77 @@ def test_auto_falls_back_while_the_gate_refuses(models):
     # Components not set to auto keep their value; without auto there is one candidate.
     assert [c.vision for c in PrecisionConfig(lm="auto", vision="bf16").candidates("ar")] == ["bf16", "bf16"]
     assert len(PrecisionConfig(lm="int8").candidates("ar")) == 1
+
+
+def _stacks(model, family):
+    return [model.lm.model] if family == "ar" else [model.vlm, model.expert]
+
+
+@pytest.mark.parametrize("family", ["ar", "flow"])
+def test_reduced_precision_layers_fuse_qkv_and_gate_up_with_the_members_results(models, family):
+    """bf16, int8 and hybrid decoders run q/k/v and gate/up as one matmul each; outputs are the
+    members' (int8: the same quantization, bf16: within rounding), the state_dict is unchanged,
+    a copy fuses its own layers; fp32 layers are not fused."""
+    spec, model = models[family]
+    converted = {}
+    for p in ("bf16", "hybrid", "int8", "fp32"):
+        converted[p] = convert_model(model, family, PrecisionConfig(lm=p, expert=p if family == "flow" else "fp32").resolve(family))
+        for stack in map(DecoderStack, _stacks(converted[p], family)):
+            assert all((g is not None) == (p != "fp32") for g in stack.qkv + stack.gate_up), p
+        keys = converted[p].state_dict().keys()
+        assert not any("fused" in k for k in keys)
+        if p in ("bf16", "fp32"):
+            assert keys == model.state_dict().keys()
+    for p in ("bf16", "int8"):
+        layer = _stacks(converted[p], family)[0].layers[0]
+        group = layer.self_attn.q_proj.fused
+        assert isinstance(group, FusedLinear)
+        assert group.members == (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+        x = torch.randn(1, 40, layer.self_attn.q_proj.in_features)
+        with torch.inference_mode():
+            for got, member in zip(group(x), group.members):
+                assert got.dtype == torch.float32
+                torch.testing.assert_close(got, member(x), rtol=1e-2, atol=1e-3 if p == "bf16" else 1e-5)
+            gate, up = layer.mlp.gate_proj.fused(x, low=True)
+            assert gate.dtype == (torch.bfloat16 if p == "bf16" else torch.float32)
+            torch.testing.assert_close(up.float(), layer.mlp.up_proj(x), rtol=1e-2, atol=1e-2)
+    twin = copy.deepcopy(converted["bf16"])
+    twin_layer, layer = _stacks(twin, family)[0].layers[0], _stacks(converted["bf16"], family)[0].layers[0]
+    assert twin_layer.self_attn.q_proj.fused is not layer.self_attn.q_proj.fused
+    assert twin_layer.self_attn.q_proj.fused.members[2] is twin_layer.self_attn.v_proj
+
+
+def test_hybrid_fused_projections_run_int8_for_few_rows_and_bf16_for_many():
+    torch.manual_seed(0)
+    lins = [nn.Linear(64, 32), nn.Linear(64, 16)]
+    members = [HybridLinear(lin, int8_max_rows=4) for lin in lins]
+    group = FusedLinear(members, lins)
+    few, many = torch.randn(1, 4, 64), torch.randn(1, 9, 64)
+    for got, m in zip(group(few), members):
+        torch.testing.assert_close(got, m.int8(few), rtol=1e-5, atol=1e-5)  # int8, one call
+    for got, m in zip(group(many), members):
+        torch.testing.assert_close(got, m.bf16(many), rtol=1e-2, atol=1e-3)  # bf16, one call
+    x = many.clone().requires_grad_(True)
+    outs = group(x)  # a gradient: the members one by one (hybrid: bf16)
+    assert all(torch.equal(o.detach(), m.bf16(many)) for o, m in zip(outs, members))
+    with pytest.raises(TypeError, match="cannot fuse"):
+        FusedLinear([members[0], Bf16Linear(lins[1])], lins)
+
+
+def test_flow_keeps_its_kv_cache_in_bf16_when_both_decoders_attend_in_bf16(models):
+    """The cache stores K/V as bf16 attention reads them; RoPE stays fp32; the token cache and
+    pruning (attention taps) run on it; fp32 and int8 keep an fp32 cache."""
+    spec, model = models["flow"]
+    policy = build_policy(spec, model, _config("flow", **preset("bf16"), few_rows=spec.chunk_size - 1))
+    assert policy.cache.k.dtype == torch.bfloat16 and policy.vlm_engine.cos.dtype == torch.float32
+    accel = build_policy(spec, model, PolicyConfig.from_dict({"accel": "cache+prune", "precision": preset("bf16")}))
+    assert accel.cache.k.dtype == torch.bfloat16
+    obs = fixed_observation(spec)
+    for _ in range(2):
+        out = accel.infer(obs, noise=gate_noise(spec))
+    assert np.isfinite(out.actions).all() and out.stats["tokens_kept_fraction"] < 1
+    # The expert's chunk rows attend in fp32 when they are few: the cache stays fp32.
+    few = build_policy(spec, model, _config("flow", **preset("bf16"), few_rows=spec.chunk_size))
+    assert few.cache.k.dtype == torch.float32
+    for p in ("fp32", "int8"):
+        assert build_policy(spec, model, _config("flow", lm=p, expert=p)).cache.k.dtype == torch.float32

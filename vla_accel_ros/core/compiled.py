@@ -61,13 +61,11 @@ class StaticStep(nn.Module):
             k = attn.k_proj(h).view(B, n, Hkv, D).transpose(1, 2)  # [B, Hkv, n, D]
             v = attn.v_proj(h).view(B, n, Hkv, D).transpose(1, 2)
             q, k = self.apply_rope(q, k, cos, sin)
-            torch.ops.vla_accel.write_kv(k_cache[l], v_cache[l], slots, k, v)
+            torch.ops.vla_accel.write_kv(k_cache[l], v_cache[l], slots, k.to(k_cache.dtype), v.to(v_cache.dtype))
             valid[l].index_fill_(0, slots, True)
             mask = allowed_rows & valid[l]  # [n, S]
-            if low is None:
-                o = torch.ops.vla_accel.attend(q, k_cache[l], v_cache[l], mask, self.scaling)  # [B, Hq, n, D]
-            else:
-                o = torch.ops.vla_accel.attend(q.to(low), k_cache[l].to(low), v_cache[l].to(low), mask, self.scaling).to(q.dtype)
+            dt = low or q.dtype
+            o = torch.ops.vla_accel.attend(q.to(dt), k_cache[l].to(dt), v_cache[l].to(dt), mask, self.scaling).to(q.dtype)  # [B, Hq, n, D]
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)

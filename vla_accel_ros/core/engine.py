@@ -38,6 +38,25 @@ from vla_accel_ros.kernels import KernelSet, get_kernels
 _COMPACT_BELOW = 0.75
 
 
+class FusedProjection(Protocol):
+    """Several projections of one input as one call (``members``, in order), carried by the
+    members as their ``fused`` attribute (e.g. the bf16 precision's q/k/v). ``low``: the
+    outputs may stay in the matmul's reduced dtype (the gate/up of an MLP feed its down
+    projection, which casts them anyway)."""
+
+    members: tuple[nn.Module, ...]
+
+    def __call__(self, x: torch.Tensor, *, low: bool = False) -> tuple[torch.Tensor, ...]: ...
+
+
+def _fused(parent: nn.Module, names: tuple[str, ...]) -> FusedProjection | None:
+    members = tuple(getattr(parent, n, None) for n in names)
+    group = getattr(members[0], "fused", None)
+    if group is None or len(group.members) != len(members) or any(a is not b for a, b in zip(group.members, members)):
+        return None
+    return group
+
+
 class DecoderStack:
     """Handles on the modules of a transformers decoder, validated once."""
 
@@ -69,6 +88,13 @@ class DecoderStack:
         # The rotary application of the model's own modeling module (identical for Llama and
         # Qwen2 today, but taken from the module so a model family that differs stays right).
         self.apply_rope: Callable = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        # Per layer, the fused q/k/v and gate/up projections a reduced-precision model carries
+        # (None: the projections run one by one).
+        self.qkv = [_fused(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
+        self.gate_up = [
+            _fused(layer.mlp, ("gate_proj", "up_proj")) if hasattr(layer.mlp, "act_fn") and hasattr(layer.mlp, "down_proj") else None
+            for layer in self.layers
+        ]
 
     def rope_table(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for every position once, so a step only gathers rows.  # [P, D] each"""
@@ -177,7 +203,9 @@ class Engine:
         self.stack = stack
         self.cache = cache
         self.device = cache.k.device
-        self.dtype = cache.k.dtype
+        # The compute dtype: a bf16 cache (components that attend in bf16 anyway) stores K/V
+        # rounded as attention would read them; RoPE and the residual stream stay fp32.
+        self.dtype = cache.k.dtype if cache.k.dtype in (torch.float32, torch.float64) else torch.float32
         self.kernels = kernels or get_kernels(self.device)
         max_positions = max_positions or stack.model.config.max_position_embeddings
         self.cos, self.sin = stack.rope_table(max_positions, self.dtype, self.device)
@@ -239,22 +267,31 @@ class Engine:
 
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(B, n, Hq, D).transpose(1, 2)  # [B, Hq, n, D]
-            k = attn.k_proj(h).view(B, n, Hkv, D).transpose(1, 2)  # [B, Hkv, n, D]
-            v = attn.v_proj(h).view(B, n, Hkv, D).transpose(1, 2)
+            fused = st.qkv[l]
+            q, k, v = fused(h) if fused is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+            q = q.view(B, n, Hq, D).transpose(1, 2)  # [B, Hq, n, D]
+            k = k.view(B, n, Hkv, D).transpose(1, 2)  # [B, Hkv, n, D]
+            v = v.view(B, n, Hkv, D).transpose(1, 2)
             q, k = st.apply_rope(q, k, cos, sin)
             k_cache, v_cache = cache.k[l], cache.v[l]  # [B, Hkv, S, D]
             if differentiable:
-                k_cache, v_cache = k_cache.index_copy(2, rows, k), v_cache.index_copy(2, rows, v)
+                k_cache = k_cache.index_copy(2, rows, k.to(k_cache.dtype))
+                v_cache = v_cache.index_copy(2, rows, v.to(v_cache.dtype))
                 valid = cache.valid[l].clone()
                 valid[rows] = True
             else:
-                kern.write_kv(k_cache, v_cache, rows, k, v)
+                kern.write_kv(k_cache, v_cache, rows, k.to(k_cache.dtype), v.to(v_cache.dtype))
                 cache.valid[l, rows] = True
                 valid = cache.valid[l]
             o = self._attend(l, q, k_cache, v_cache, valid, allowed_rows, rows, plan.taps if l in tap_layers else None, taps)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            fused = st.gate_up[l]
+            if fused is None:
+                x = x + layer.mlp(h)
+            else:  # the MLP's own modules, its gate and up projections in one call
+                gate, up = fused(h, low=True)
+                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
             if hook is not None and l in hook.layers and l + 1 < st.num_layers:
                 drop = hook(l, taps.attn[l])
                 if drop is not None and drop.numel():
@@ -294,18 +331,20 @@ class Engine:
             tapped = tap is not None and self._taps_group(tap, rows if idx is None else rows[idx])
             if tapped:
                 self._tap(l, qg, keys, mask, rows if idx is None else rows[idx], tap, taps, s0)
-            elif mask.shape[1] >= 64:
+            else:
                 # Keys nobody may read (pruned tokens, the unused tail of a prefix) are left out
-                # when they are many: what every flow step and decode row attends to shrinks too.
+                # when they are many (what every flow step and decode row attends to shrinks
+                # too), or when what is left is a mask without holes: the kernel's unmasked
+                # path is faster than the gather.
                 cols = mask.any(0)
                 n_cols = int(cols.sum())
-                if n_cols < _COMPACT_BELOW * cols.numel():
+                if n_cols < cols.numel() and (
+                    (mask.shape[1] >= 64 and n_cols < _COMPACT_BELOW * cols.numel()) or bool((mask == cols).all())
+                ):
                     keep = torch.nonzero(cols).flatten()
                     keys, values, mask = keys.index_select(2, keep), values.index_select(2, keep), mask[:, keep]
-            if low is None:
-                o = kern.attend(qg, keys, values, mask, scale)  # [B, Hq, n_g, D]
-            else:
-                o = kern.attend(qg.to(low), keys.to(low), values.to(low), mask, scale).to(q.dtype)
+            dt = low or q.dtype
+            o = kern.attend(qg.to(dt), keys.to(dt), values.to(dt), mask, scale).to(q.dtype)  # [B, Hq, n_g, D]
             if out is None:
                 return o
             out[:, :, idx] = o
@@ -322,7 +361,7 @@ class Engine:
         B, Hq, _, D = q.shape
         Hkv = keys.shape[1]
         qt = q[:, :, qi].reshape(B, Hkv, Hq // Hkv, qi.numel(), D)  # [B, Hkv, g, nq, D]
-        scores = torch.einsum("bhgqd,bhsd->bhgqs", qt, keys) * self.stack.scaling
+        scores = torch.einsum("bhgqd,bhsd->bhgqs", qt, keys.to(q.dtype)) * self.stack.scaling
         scores = scores.masked_fill(~mask[qi], float("-inf"))
         probs = scores.softmax(dim=-1).flatten(1, 2)  # [B, Hq, nq, S']
         key_slots = spec.key_slots - key0

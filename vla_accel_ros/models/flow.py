@@ -84,7 +84,12 @@ class FlowPolicy(PolicyBase):
         self.max_prefix = len(spec.cameras) * g * g + spec.max_text_tokens + (1 if spec.state_dim else 0)
         self.max_slots = self.max_prefix + spec.chunk_size
         # One cache: the VLM writes the prefix rows, the expert writes and reads the chunk rows.
-        self.cache = self.vlm_stack.make_cache(self.max_slots)
+        # In bf16 when both decoders attend in bf16 (the expert's chunk rows always do): K/V
+        # are stored as attention reads them, instead of the whole prefix being cast to bf16
+        # at every Euler step.
+        low = [self.precision.bf16_attention_above(c) for c in ("lm", "expert")]
+        bf16_kv = None not in low and spec.chunk_size > low[1]
+        self.cache = self.vlm_stack.make_cache(self.max_slots, dtype=torch.bfloat16 if bf16_kv else torch.float32)
         self.vlm_engine = self.make_engine(self.vlm_stack, self.cache, self.max_slots)
         self.expert_engine = self.make_engine(self.expert_stack, self.cache, self.max_slots, component="expert")
         self.prefix_engine = self.vlm_engine

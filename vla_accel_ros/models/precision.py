@@ -61,6 +61,9 @@ class Bf16Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self._packed = None  # moved or cast: repack from the new weight
+        group = self.__dict__.get("fused")
+        if group is not None:
+            group.unpack()
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
@@ -167,6 +170,90 @@ class HybridLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8_max_rows={self.int8_max_rows}"
 
 
+class FusedLinear:
+    """Linears of one input (q/k/v; gate/up) as one matmul, for the engine (its
+    :class:`~vla_accel_ros.core.engine.FusedProjection`): one input cast or quantization,
+    one call, one output split into views. bf16: one oneDNN call on a weight prepacked once
+    (13% less time per small flow expert layer at 50 rows); int8: one dynamic int8 linear over
+    the stacked weights, same per-channel scales and the same quantized input as the members
+    (5 q/k/v + gate/up GEMVs of the small ar LM: 6.4 -> 5.0 ms per decode step over its 12
+    layers); hybrid: the int8 one for at most its few rows, else the bf16 one.
+
+    Not a module: the members keep their parameters (the state_dict is unchanged) and still
+    run alone; their ``fused`` attribute points here. The int8 form costs a second int8 copy
+    of the members' weights. Calls needing a gradient, compiled graphs, and bf16 without
+    oneDNN run the members one by one."""
+
+    def __init__(self, members: list[nn.Module], originals: list[nn.Linear]) -> None:
+        kinds = {type(m) for m in members}
+        if len(kinds) != 1 or not kinds <= {Bf16Linear, Int8Linear, HybridLinear}:
+            raise TypeError(f"cannot fuse {sorted(k.__name__ for k in kinds)}")
+        if len({m.in_features for m in members}) != 1 or len(originals) != len(members):
+            raise TypeError("fused linears must share their input")
+        kind = kinds.pop()
+        self.members = tuple(members)
+        self.in_features = members[0].in_features
+        self.sizes = [m.out_features for m in members]
+        self._bf16 = None if kind is Int8Linear else [m.bf16 if kind is HybridLinear else m for m in members]
+        self._few_rows = members[0].int8_max_rows if kind is HybridLinear else None
+        self._int8 = None
+        if kind is not Bf16Linear:
+            stacked = nn.Linear(self.in_features, sum(self.sizes), bias=any(o.bias is not None for o in originals))
+            with torch.no_grad():
+                stacked.weight.copy_(torch.cat([o.weight for o in originals]))
+                if stacked.bias is not None:
+                    stacked.bias.copy_(torch.cat([o.bias if o.bias is not None else torch.zeros(o.out_features) for o in originals]))
+            self._int8 = Int8Linear(stacked)
+        self._packed: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+        for m in [*members, *(self._bf16 or [])]:
+            object.__setattr__(m, "fused", self)  # a plain attribute, not a submodule
+
+    def unpack(self) -> None:
+        self._packed = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_packed": None}
+
+    def __call__(self, x: torch.Tensor, *, low: bool = False) -> tuple[torch.Tensor, ...]:
+        """Each member's output of ``x``; with ``low`` the bf16 path leaves them in bf16."""
+        if torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
+            return tuple(m(x) for m in self.members)
+        if self._int8 is not None and (self._bf16 is None or x.numel() <= self._few_rows * self.in_features):
+            return self._int8(x).split(self.sizes, -1)
+        head = self._bf16[0]
+        if not _PREPACK or head.weight.device.type != "cpu":
+            return tuple(m(x) for m in self.members)
+        if self._packed is None:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in self._bf16]))
+            if any(m.bias is not None for m in self._bf16):
+                self._bias = torch.cat([
+                    m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=torch.bfloat16) for m in self._bf16
+                ])  # fmt: skip
+        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self._packed, self._bias, "none", [], "")
+        return (y if low else y.to(x.dtype)).split(self.sizes, -1)
+
+
+_PROJECTIONS = ((("self_attn",), ("q_proj", "k_proj", "v_proj")), (("mlp",), ("gate_proj", "up_proj")))
+
+
+def projection_groups(model: nn.Module, family: str, precision: PrecisionConfig) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    """(parent, names) of the q/k/v and gate/up projections of each decoder layer of the
+    reduced-precision decoders (lm; flow's expert): what :class:`FusedLinear` groups."""
+    stacks = {"lm": model.lm.model.layers} if family == "ar" else {"lm": model.vlm.layers, "expert": model.expert.layers}
+    out = []
+    for component, layers in stacks.items():
+        if getattr(precision, component) not in ("bf16", "int8", "hybrid"):
+            continue
+        for layer in layers:
+            for (attr,), names in _PROJECTIONS:
+                parent = getattr(layer, attr, None)
+                members = [getattr(parent, n, None) for n in names]
+                if all(isinstance(m, nn.Linear) for m in members) and len({m.in_features for m in members}) == 1:
+                    out.append((parent, names))
+    return out
+
+
 def _converter(p: str, precision: PrecisionConfig):
     if p == "hybrid":
         return lambda linear: HybridLinear(linear, precision.few_rows)
@@ -179,6 +266,7 @@ def convert_model(model: nn.Module, family: str, precision: PrecisionConfig) -> 
     if not precision.reduced:
         return model
     out = copy.deepcopy(model)
+    groups = [(parent, names, [getattr(parent, n) for n in names]) for parent, names in projection_groups(out, family, precision)]
     for component, linears in component_linears(out, family).items():
         p = getattr(precision, component)
         if p == "auto":
@@ -188,6 +276,8 @@ def convert_model(model: nn.Module, family: str, precision: PrecisionConfig) -> 
         convert = _converter(p, precision)
         for parent, name in linears:
             setattr(parent, name, convert(getattr(parent, name)))
+    for parent, names, originals in groups:
+        FusedLinear([getattr(parent, n) for n in names], originals)
     return out.eval()
 
 
