@@ -168,6 +168,7 @@ def test_hybrid_linear_runs_int8_for_few_rows_and_bf16_for_many():
     lin = nn.Linear(64, 32)
     hybrid, bf16, int8 = HybridLinear(lin, int8_max_rows=4), Bf16Linear(lin), Int8Linear(lin)
     few, many = torch.randn(1, 4, 64), torch.randn(1, 5, 64)
+    assert torch.equal(int8(many), int8.packed(many))  # the direct op call is the stock module's
     assert torch.equal(hybrid(few), int8(few)) and not torch.equal(hybrid(few), bf16(few))
     assert torch.equal(hybrid(many), bf16(many)) and not torch.equal(hybrid(many), int8(many))
     # A call that needs a gradient (Real-Time Chunking guidance) takes bf16: int8 has no backward.
