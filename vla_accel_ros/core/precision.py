@@ -5,11 +5,13 @@ language model; embeddings and the final norm stay fp32), ``expert`` (flow: the 
 expert's decoder layers) and ``heads`` (the small input / output layers: state projection,
 flow's action and time layers; an ar bundle's action rows of ``lm_head`` stay fp32).
 
-Precisions (applied to every ``nn.Linear`` of a component; norms, rotary tables, the residual
-stream and the KV cache stay fp32, so a component's error cannot leak into a discrete index
-such as a position; attention stays fp32 too, except that a ``bf16`` or ``hybrid`` component
-attends in bf16 in calls of more than ``few_rows`` rows, a prefill or a flow denoising step,
-where SDPA's bf16 kernel is 1.3-1.7x faster than fp32 (not for a decode row, where it is slower)):
+Precisions (applied to every ``nn.Linear`` of a component; norms, rotary tables and the
+residual stream stay fp32, so a component's error cannot leak into a discrete index such as a
+position; attention stays fp32 too, except that a ``bf16`` or ``hybrid`` component attends in
+bf16 in calls of more than ``few_rows`` rows, a prefill or a flow denoising step, where SDPA's
+bf16 kernel is 1.3-1.7x faster than fp32 (not for a decode row, where it is slower). The KV
+cache stays fp32, except for a flow policy whose LM and expert both attend in bf16: it stores
+K/V in bf16, as its attention reads them):
 
 * ``fp32``: as trained, the reference;
 * ``bf16``: bf16 weights, inputs cast to bf16 at each matmul and outputs back to fp32 (oneDNN

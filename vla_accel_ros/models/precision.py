@@ -10,6 +10,9 @@ Only ``nn.Linear`` layers change; the model is copied first, so policies of othe
   VNNI). torchao 0.18 works with our torch but its CPU int8 linears measured slower than fp32
   for one row and no faster than this path for many (eager and compiled), so the package
   uses PyTorch's own quantized linear; it is deprecated upstream, pinned with torch==2.13.
+
+In the decoders (lm; flow's expert) of those precisions, each layer's q/k/v and gate/up
+projections are also grouped into a :class:`FusedLinear` the engine calls as one matmul.
 """
 
 from __future__ import annotations
