@@ -113,6 +113,10 @@ def test_export_cli(tiny_bundles, tmp_path, capsys):
     manifest = json.loads((tmp_path / "steps" / "export.json").read_text())
     assert set(manifest["steps"]) == {"prefill", "expert"} and manifest["max_abs_delta"] <= 1e-5
     assert manifest["steps"]["expert"]["inputs"]["x"][1] == 50
+    assert manifest["steps"]["expert"]["input_dtypes"] == {
+        "x": "float32", "slots": "int64", "positions": "int64", "k_cache": "float32", "v_cache": "float32",
+        "valid": "bool", "allowed": "bool",
+    }  # fmt: skip
     assert "max |exported - engine|" in capsys.readouterr().out
 
 

@@ -259,9 +259,14 @@ def test_flow_keeps_its_kv_cache_in_bf16_when_both_decoders_attend_in_bf16(model
     spec, model = models["flow"]
     policy = build_policy(spec, model, _config("flow", **preset("bf16"), few_rows=spec.chunk_size - 1))
     assert policy.cache.k.dtype == torch.bfloat16 and policy.vlm_engine.cos.dtype == torch.float32
+    # Real-Time Chunking differentiates through the bf16 cache's reads.
+    obs, noise = fixed_observation(spec), gate_noise(spec)
+    free = policy.infer(obs, noise=noise).actions
+    prev = np.zeros((spec.chunk_size, spec.action_dim), np.float32)
+    guided = policy.infer(obs, noise=noise, guidance=ChunkGuidance(prev_actions=prev, weights=np.ones(spec.chunk_size, np.float32), frozen=0))
+    assert np.isfinite(guided.actions).all() and not np.allclose(guided.actions, free)
     accel = build_policy(spec, model, PolicyConfig.from_dict({"accel": "cache+prune", "precision": preset("bf16")}))
     assert accel.cache.k.dtype == torch.bfloat16
-    obs = fixed_observation(spec)
     for _ in range(2):
         out = accel.infer(obs, noise=gate_noise(spec))
     assert np.isfinite(out.actions).all() and out.stats["tokens_kept_fraction"] < 1

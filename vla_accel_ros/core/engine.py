@@ -290,6 +290,9 @@ class Engine:
             if fused is None:
                 x = x + layer.mlp(h)
             else:  # the MLP's own modules, its gate and up projections in one call
+                # bf16 layers: the activation and product run in bf16, the down projection's
+                # input dtype anyway (one rounding more than the unfused path; measured mean
+                # error 0.00266 vs 0.00253 on an output RMS of 0.61)
                 gate, up = fused(h, low=True)
                 x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
             if hook is not None and l in hook.layers and l + 1 < st.num_layers:

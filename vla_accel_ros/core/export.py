@@ -90,8 +90,11 @@ def save_programs(programs: dict[str, torch.export.ExportedProgram], out: str | 
         torch.export.save(ep, path)
         paths.append(path)
         user = [s for s in ep.graph_signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
-        shapes = [list(n.meta["val"].shape) for n in ep.graph.nodes if n.op == "placeholder" and n.name in {s.arg.name for s in user}]
-        steps[name] = {"file": path.name, "inputs": dict(zip(INPUTS, shapes)), "custom_ops": custom_ops(ep)}
+        vals = [n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder" and n.name in {s.arg.name for s in user}]
+        steps[name] = {
+            "file": path.name, "inputs": dict(zip(INPUTS, [list(v.shape) for v in vals])),
+            "input_dtypes": dict(zip(INPUTS, [str(v.dtype).removeprefix("torch.") for v in vals])), "custom_ops": custom_ops(ep),
+        }  # fmt: skip
     manifest = out / "export.json"
     manifest.write_text(json.dumps({**meta, "steps": steps}, indent=2) + "\n")
     return [*paths, manifest]

@@ -141,8 +141,6 @@ class Int8Linear(nn.Module):
         _PACKED[self.handle] = self.packed
         # Eager calls go straight to the op the module would call (its wrapper and the op
         # packet's dispatch cost ~10 us a call: 0.5 ms of each small ar decode step).
-        version = getattr(self.packed, "version", None)
-        self._reduce_range = version is not None and version >= 4
         if self.packed._packed_params.dtype != torch.qint8:
             raise TypeError("Int8Linear expects qint8 packed weights")
 
@@ -151,7 +149,9 @@ class Int8Linear(nn.Module):
             return torch.ops.vla_accel.int8_linear(x, self.handle, self.out_features)
         if x.dtype != torch.float32:
             return self.packed(x)
-        return torch.ops.quantized.linear_dynamic.default(x, self.packed._packed_params._packed_params, self._reduce_range)
+        packed = self.packed
+        version = getattr(packed, "version", None)  # the stock module's rule: reduce_range from version 4 on
+        return torch.ops.quantized.linear_dynamic.default(x, packed._packed_params._packed_params, version is not None and version >= 4)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -193,7 +193,8 @@ class FusedLinear:
     Not a module: the members keep their parameters (the state_dict is unchanged) and still
     run alone; their ``fused`` attribute points here. The int8 form costs a second int8 copy
     of the members' weights. Calls needing a gradient, compiled graphs, and bf16 without
-    oneDNN run the members one by one."""
+    oneDNN run the members one by one. The stacked weights are taken once: a converted model's
+    weights are fixed (loading new weights means converting again), as for ``Int8Linear``."""
 
     def __init__(self, members: list[nn.Module], originals: list[nn.Linear]) -> None:
         kinds = {type(m) for m in members}
@@ -215,8 +216,7 @@ class FusedLinear:
                 if stacked.bias is not None:
                     stacked.bias.copy_(torch.cat([o.bias if o.bias is not None else torch.zeros(o.out_features) for o in originals]))
             self._int8 = Int8Linear(stacked)
-        self._packed: torch.Tensor | None = None
-        self._bias: torch.Tensor | None = None
+        self._packed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight, bias), built at the first call
         for m in [*members, *(self._bf16 or [])]:
             object.__setattr__(m, "fused", self)  # a plain attribute, not a submodule
 
@@ -235,13 +235,16 @@ class FusedLinear:
         head = self._bf16[0]
         if not _PREPACK or head.weight.device.type != "cpu":
             return tuple(m(x) for m in self.members)
-        if self._packed is None:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in self._bf16]))
+        packed = self._packed
+        if packed is None:
+            bias = None
             if any(m.bias is not None for m in self._bf16):
-                self._bias = torch.cat([
+                bias = torch.cat([
                     m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=torch.bfloat16) for m in self._bf16
                 ])  # fmt: skip
-        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self._packed, self._bias, "none", [], "")
+            packed = (torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in self._bf16])), bias)
+            self._packed = packed  # weight and bias published together: policies on other threads share the model
+        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed[0], packed[1], "none", [], "")
         return (y if low else y.to(x.dtype)).split(self.sizes, -1)
 
 
