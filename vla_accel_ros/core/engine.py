@@ -243,6 +243,7 @@ class Engine:
         dropped_at: dict[int, torch.Tensor] = dict(plan.drop)
         gone: torch.Tensor | None = None  # [S] bool: slots the hook dropped so far
         allowed_rows = cache.allowed[rows]  # [n, S]
+        attn_memo: dict = {}
 
         for l, layer in enumerate(st.layers):
             new_rows = rows if plan.layer_slots is None else plan.layer_slots[l]
@@ -283,7 +284,9 @@ class Engine:
                 kern.write_kv(k_cache, v_cache, rows, k.to(k_cache.dtype), v.to(v_cache.dtype))
                 cache.valid[l, rows] = True
                 valid = cache.valid[l]
-            o = self._attend(l, q, k_cache, v_cache, valid, allowed_rows, rows, plan.taps if l in tap_layers else None, taps)
+            o = self._attend(
+                l, q, k_cache, v_cache, valid, allowed_rows, rows, plan.taps if l in tap_layers else None, taps, attn_memo
+            )  # fmt: skip
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
             h = layer.post_attention_layernorm(x)
             fused = st.gate_up[l]
@@ -310,48 +313,73 @@ class Engine:
             hidden = st.norm(x[:, sel])
         return StepOutput(hidden=hidden, taps=taps, computed_per_layer=computed, dropped=dropped_at)
 
-    def _attend(self, l, q, k_cache, v_cache, valid, allowed_rows, rows, tap: TapSpec | None, taps: TapResult | None):
+    def _attend(
+        self, l, q, k_cache, v_cache, valid, allowed_rows, rows, tap: TapSpec | None, taps: TapResult | None, memo: dict
+    ):  # fmt: skip
         """Attention of the computed rows over the keys their segments hold.  q: [B, Hq, n, D]
 
         Rows of one segment read only that segment's key window [start, visible end): a packed
         forward over several segments (pipelined frames) costs what its segments cost apart,
-        not rows x every slot of the cache."""
-        cache, kern, scale = self.cache, self.kernels, self.stack.scaling
+        not rows x every slot of the cache. ``memo`` (one per forward) keeps the windows, masks
+        and gathers of the previous layer: layers with the same rows and the same valid keys
+        (most of them) reuse them instead of recomputing a dozen small ops each."""
+        kern, scale = self.kernels, self.stack.scaling
         low = attention_dtype(self.bf16_attention_above, rows.numel(), q.dtype)
-        starts = cache.seg_start[rows]  # [n]
-        if bool((starts == starts[0]).all()):
-            groups = [(None, int(starts[0]), int(cache.visible_end[rows].max()))]
-        else:
-            groups = []
-            for s0 in torch.unique(starts).tolist():
-                idx = torch.nonzero(starts == s0).flatten()
-                groups.append((idx, s0, int(cache.visible_end[rows[idx]].max())))
+        if memo.get("rows") is not rows:
+            memo.clear()
+            memo["rows"], memo["groups"] = rows, self._segment_groups(rows)
+        groups = memo["groups"]
         out = torch.empty_like(q) if len(groups) > 1 else None
-        for idx, s0, s1 in groups:
-            qg, mask = (q, allowed_rows) if idx is None else (q[:, :, idx], allowed_rows[idx])
-            mask = mask[:, s0:s1] & valid[s0:s1]  # [n_g, S']
-            keys, values = k_cache[:, :, s0:s1], v_cache[:, :, s0:s1]
-            tapped = tap is not None and self._taps_group(tap, rows if idx is None else rows[idx])
-            if tapped:
-                self._tap(l, qg, keys, mask, rows if idx is None else rows[idx], tap, taps, s0)
+        for g, (idx, s0, s1) in enumerate(groups):
+            window = valid[s0:s1]  # this layer's row of the cache's valid flags: final once written
+            seen = memo.get(g)
+            if seen is not None and torch.equal(seen[0], window):
+                mask, keep = seen[1], seen[2]
             else:
-                # Keys nobody may read (pruned tokens, the unused tail of a prefix) are left out
-                # when they are many (what every flow step and decode row attends to shrinks
-                # too), or when what is left is a mask without holes: the kernel's unmasked
-                # path is faster than the gather.
-                cols = mask.any(0)
-                n_cols = int(cols.sum())
-                if n_cols < cols.numel() and (
-                    (mask.shape[1] >= 64 and n_cols < _COMPACT_BELOW * cols.numel()) or bool((mask == cols).all())
-                ):
-                    keep = torch.nonzero(cols).flatten()
-                    keys, values, mask = keys.index_select(2, keep), values.index_select(2, keep), mask[:, keep]
+                mask = (allowed_rows if idx is None else allowed_rows[idx])[:, s0:s1] & window  # [n_g, S']
+                keep = self._readable(mask)
+                memo[g] = (window, mask, keep)
+            qg = q if idx is None else q[:, :, idx]
+            keys, values = k_cache[:, :, s0:s1], v_cache[:, :, s0:s1]
+            if tap is not None and self._taps_group(tap, rows if idx is None else rows[idx]):
+                self._tap(l, qg, keys, mask, rows if idx is None else rows[idx], tap, taps, s0)
+            elif keep is not None:
+                keys, values, mask = keys.index_select(2, keep), values.index_select(2, keep), mask[:, keep]
             dt = low or q.dtype
             o = kern.attend(qg.to(dt), keys.to(dt), values.to(dt), mask, scale).to(q.dtype)  # [B, Hq, n_g, D]
             if out is None:
                 return o
             out[:, :, idx] = o
         return out
+
+    def _segment_groups(self, rows: torch.Tensor) -> list[tuple[torch.Tensor | None, int, int]]:
+        """(row indices or None for all, first key slot, one past the last visible key) per
+        segment among ``rows``."""
+        cache = self.cache
+        starts = cache.seg_start[rows]  # [n]
+        if bool((starts == starts[0]).all()):
+            return [(None, int(starts[0]), int(cache.visible_end[rows].max()))]
+        groups = []
+        for s0 in torch.unique(starts).tolist():
+            idx = torch.nonzero(starts == s0).flatten()
+            groups.append((idx, s0, int(cache.visible_end[rows[idx]].max())))
+        return groups
+
+    @staticmethod
+    def _readable(mask: torch.Tensor) -> torch.Tensor | None:
+        """The key columns to gather (None: attend over the window as it is).  mask [n, S']
+
+        Keys nobody may read (pruned tokens, the unused tail of a prefix) are left out when
+        they are many (what every flow step and decode row attends to shrinks too), or when
+        what is left is a mask without holes: the kernel's unmasked path is faster than the
+        gather."""
+        cols = mask.any(0)
+        n_cols = int(cols.sum())
+        if n_cols < cols.numel() and (
+            (mask.shape[1] >= 64 and n_cols < _COMPACT_BELOW * cols.numel()) or bool((mask == cols).all())
+        ):
+            return torch.nonzero(cols).flatten()
+        return None
 
     @staticmethod
     def _taps_group(tap: TapSpec, group_rows: torch.Tensor) -> bool:
