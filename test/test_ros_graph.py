@@ -312,7 +312,9 @@ def test_rtc_guidance_travels_from_controller_to_policy_and_is_honoured(system):
         h, d = req.horizon, req.action_dim
         prev = np.asarray(req.prev_actions, np.float32).reshape(h, d)
         actions = np.asarray(chunk.actions, np.float32).reshape(chunk.horizon, chunk.action_dim)
-        assert 0 < req.frozen < h and len(req.weights) == h
+        # frozen = the delay in control steps from the latency p95; on a loaded machine a slow
+        # first inference can put it past the whole chunk (then every row is committed).
+        assert 0 < req.frozen <= h and len(req.weights) == h
         np.testing.assert_array_equal(actions[: req.frozen], prev[: req.frozen])  # committed prefix kept
     # The controller's motion state reaches the policy, whose stats say which mode it used.
     wait_for(lambda: probe.count("motion") >= 3, what="motion state")
