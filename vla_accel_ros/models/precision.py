@@ -87,15 +87,17 @@ _PREPACK = _prepack_available()
 _HEADS = {"ar": ("state_proj",), "flow": ("state_proj", "action_in", "time_in", "time_out", "action_out")}
 
 
+def _decoder_layers(model: nn.Module, family: str) -> dict[str, nn.ModuleList]:
+    """The decoder layers of each decoder component (lm; flow's expert)."""
+    return {"lm": model.lm.model.layers} if family == "ar" else {"lm": model.vlm.layers, "expert": model.expert.layers}
+
+
 def component_linears(model: nn.Module, family: str) -> dict[str, list[tuple[nn.Module, str]]]:
     """Per component, the Linear layers its precision applies to, as (parent, attribute)."""
     if family not in _HEADS:
         raise ConfigError(f"no precision components for family {family!r}")
-    roots = {"vision": [model.vis.vision], "projector": [model.vis.projector]}
-    if family == "ar":
-        roots.update(lm=[model.lm.model.layers], expert=[])
-    else:
-        roots.update(lm=[model.vlm.layers], expert=[model.expert.layers])
+    roots = {"vision": [model.vis.vision], "projector": [model.vis.projector], "expert": []}
+    roots.update({c: [layers] for c, layers in _decoder_layers(model, family).items()})
     out = {c: [(parent, name) for root in mods for parent in root.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)] for c, mods in roots.items()}  # fmt: skip
     out["heads"] = [(model, n) for n in _HEADS[family] if isinstance(getattr(model, n, None), nn.Linear)]
@@ -139,8 +141,6 @@ class Int8Linear(nn.Module):
             self.packed = DynamicInt8Linear.from_float(linear)
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self.packed
-        # Eager calls go straight to the op the module would call (its wrapper and the op
-        # packet's dispatch cost ~10 us a call: 0.5 ms of each small ar decode step).
         if self.packed._packed_params.dtype != torch.qint8:
             raise TypeError("Int8Linear expects qint8 packed weights")
 
@@ -149,6 +149,8 @@ class Int8Linear(nn.Module):
             return torch.ops.vla_accel.int8_linear(x, self.handle, self.out_features)
         if x.dtype != torch.float32:
             return self.packed(x)
+        # Straight to the op the module would call: its wrapper and the op packet's dispatch
+        # cost ~10 us a call (0.5 ms of each small ar decode step).
         packed = self.packed
         version = getattr(packed, "version", None)  # the stock module's rule: reduce_range from version 4 on
         return torch.ops.quantized.linear_dynamic.default(x, packed._packed_params._packed_params, version is not None and version >= 4)
@@ -187,8 +189,9 @@ class FusedLinear:
     one call, one output split into views. bf16: one oneDNN call on a weight prepacked once
     (13% less time per small flow expert layer at 50 rows); int8: one dynamic int8 linear over
     the stacked weights, same per-channel scales and the same quantized input as the members
-    (5 q/k/v + gate/up GEMVs of the small ar LM: 6.4 -> 5.0 ms per decode step over its 12
-    layers); hybrid: the int8 one for at most its few rows, else the bf16 one.
+    (the q/k/v + gate/up GEMVs of the small ar LM's 12 layers: 6.4 -> 5.0 ms alone; in a whole
+    decode step, whose weights stream from memory, 0-6%); hybrid: the int8 one for at most its
+    few rows, else the bf16 one.
 
     Not a module: the members keep their parameters (the state_dict is unchanged) and still
     run alone; their ``fused`` attribute points here. The int8 form costs a second int8 copy
@@ -248,19 +251,18 @@ class FusedLinear:
         return (y if low else y.to(x.dtype)).split(self.sizes, -1)
 
 
-_PROJECTIONS = ((("self_attn",), ("q_proj", "k_proj", "v_proj")), (("mlp",), ("gate_proj", "up_proj")))
+_PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 
 
 def projection_groups(model: nn.Module, family: str, precision: PrecisionConfig) -> list[tuple[nn.Module, tuple[str, ...]]]:
     """(parent, names) of the q/k/v and gate/up projections of each decoder layer of the
     reduced-precision decoders (lm; flow's expert): what :class:`FusedLinear` groups."""
-    stacks = {"lm": model.lm.model.layers} if family == "ar" else {"lm": model.vlm.layers, "expert": model.expert.layers}
     out = []
-    for component, layers in stacks.items():
+    for component, layers in _decoder_layers(model, family).items():
         if getattr(precision, component) not in ("bf16", "int8", "hybrid"):
             continue
         for layer in layers:
-            for (attr,), names in _PROJECTIONS:
+            for attr, names in _PROJECTIONS:
                 parent = getattr(layer, attr, None)
                 members = [getattr(parent, n, None) for n in names]
                 if all(isinstance(m, nn.Linear) for m in members) and len({m.in_features for m in members}) == 1:
