@@ -270,6 +270,13 @@ def test_attention_taps_match_eager_attention_for_the_requested_rows():
         assert p.shape == (10, 24)
     # Taps observe; they do not change the computation.
     assert (out.hidden - _hf(model, x)).abs().max() <= TOL
+    # Scattered key slots (a gather, not a slice), entropy not asked for.
+    k2 = torch.tensor([3, 7, 8, 20, 38])
+    taps = TapSpec(layers=(1,), query_slots=q, key_slots=k2, entropy=False)
+    eng = _engine(model)
+    out = eng.forward(x, StepPlan(slots=_all(40), positions=_all(40), taps=taps, output_slots=_all(40)))
+    assert (out.taps.attn[1] - eager[1][0][:, q][:, :, k2].mean(0)).abs().max() <= 1e-5
+    assert out.taps.entropy == {}
 
 
 def test_rejects_unsupported_decoders():

@@ -158,6 +158,26 @@ def test_cache_never_reuses_a_token_pruning_dropped(tiny_policies):
     assert not (dropped & reused).any()  # their deep K/V is gone: recomputed before any reuse
 
 
+@pytest.mark.parametrize("family", ["ar", "flow"])
+def test_over_the_cache_pruning_drops_computed_tokens_only(family, tiny_policies):
+    """A reused token costs no row: pruning keeps it (and so its reuse next frame) and takes its
+    drops from the tokens the frame computes."""
+    cfg = PolicyConfig(accel="cache+prune", parity_check=False, cache={"relevance_mode": "off", "topk_reuse": 256})
+    policy = sibling_policy(tiny_policies[family], cfg)
+    frames = _frames(policy, 4)
+    policy.infer(frames[0])
+    reused_counts = []
+    for obs in frames[1:]:
+        chunk = policy.infer(obs)
+        reused = policy.planner.reuse.last.reused  # [C, T]
+        dropped = ~policy.planner.last_kept
+        assert reused.any() and dropped.any() and chunk.stats["tokens_pruned"] > 0
+        assert not (reused & dropped).any()
+        reused_counts.append(int(reused.sum()))
+    # What one frame reuses stays usable: the reuse does not shrink while the scene stays static.
+    assert reused_counts[-1] >= reused_counts[0]
+
+
 def test_prune_config_is_checked_against_the_model(tiny_policies):
     policy = tiny_policies["flow"]  # 4 layers
     with pytest.raises(ConfigError, match="spec_layers=4"):

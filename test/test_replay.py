@@ -6,6 +6,7 @@ frames, every report file checked.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ pytest.importorskip("rosbags", reason="requirements-sim.txt is not installed")
 from vla_accel_ros.bench import replay as rp  # noqa: E402
 from vla_accel_ros.bench.flops import FrameWork, decoder_layer_flops, estimate_flops  # noqa: E402
 from vla_accel_ros.bench.report import PLOTS  # noqa: E402
+from vla_accel_ros.core.prune import PruneConfig  # noqa: E402
 from vla_accel_ros.cli import main  # noqa: E402
 from helpers import record_sim_bag  # noqa: E402
 from vla_accel_ros.core.errors import BagError, BundleError, ConfigError  # noqa: E402
@@ -246,3 +248,19 @@ def test_replay_with_precision_suffix(sim_bag, tiny_bundles, tmp_path):
     assert bf16["speedup_vs_baseline"] > 0 and 0 < bf16["deviation"]["max_over_std"] < 0.02
     assert bf16["parity_gate"]["precision_second_frame_max_over_std"] <= 0.02
     assert "(bf16)" in bf16["doc"]
+
+
+def test_prune_and_cache_overrides_reach_their_modes_only(sim_bag, tiny_bundles):
+    cfg = rp.ReplayConfig(
+        bag=sim_bag, bundle=tiny_bundles["ar"], cache_overrides={"relevance_mode": "off"},
+        prune_overrides={"keep_global": 48, "dynamic_layers": [0.25, 0.5]},
+    )  # fmt: skip
+    both = rp._policy_config(rp.mode_of("cache+prune-aggressive"), cfg)
+    assert both.prune.keep_global == 48 and both.prune.keep_local == 32  # the override over the preset
+    assert both.prune.dynamic_layers == (0.25, 0.5) and both.cache.relevance_mode == "off"
+    prune = rp._policy_config(rp.mode_of("prune"), cfg)
+    assert prune.prune.keep_global == 48 and prune.cache.relevance_mode == "threshold"
+    assert rp._policy_config(rp.mode_of("cache"), cfg).prune == PruneConfig()
+    bad = dataclasses.replace(cfg, prune_overrides={"keep_global": 300})
+    with pytest.raises(ConfigError, match="keep_global"):
+        rp._policy_config(rp.mode_of("prune"), bad)

@@ -58,6 +58,7 @@ class EvalConfig:
     num_threads: int = 0
     flow_steps: int = 0
     cache_overrides: dict[str, Any] = field(default_factory=dict)
+    prune_overrides: dict[str, Any] = field(default_factory=dict)
     precision_overrides: dict[str, Any] = field(default_factory=dict)  # gate limits of the @precision modes
     height: int = 480
     width: int = 640

@@ -150,6 +150,7 @@ class ReplayConfig:
     num_threads: int = 0  # torch threads (0: torch's default)
     flow_steps: int = 0  # flow: Euler steps (0: the bundle's)
     cache_overrides: dict[str, Any] = field(default_factory=dict)  # CacheConfig fields for every cache mode
+    prune_overrides: dict[str, Any] = field(default_factory=dict)  # PruneConfig fields for every pruning mode
     # PrecisionConfig fields (the gate's precision limits) for every mode with a precision suffix
     precision_overrides: dict[str, Any] = field(default_factory=dict)
     pipeline_steps: int = 0  # pipelined modes: decode steps advanced per frame (0: from the depth, else 1)
@@ -262,6 +263,8 @@ def _policy_config(mode: Mode, cfg: ReplayConfig):
     fields = {k: (dict(v) if isinstance(v, dict) else v) for k, v in mode.policy.items()}
     if fields.get("accel") in ("cache", "cache+prune") and cfg.cache_overrides:
         fields["cache"] = {**fields.get("cache", {}), **cfg.cache_overrides}
+    if fields.get("accel") in ("prune", "cache+prune") and getattr(cfg, "prune_overrides", None):
+        fields["prune"] = {**fields.get("prune", {}), **cfg.prune_overrides}
     if "precision" in fields and getattr(cfg, "precision_overrides", None):
         fields["precision"] = {**fields["precision"], **cfg.precision_overrides}
     # The transformers path is what the parity gate compares against; gating it is moot.

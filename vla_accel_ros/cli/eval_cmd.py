@@ -42,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--flow-steps", type=int, default=0, help="flow: Euler steps per chunk (0: the bundle's)")
     p.add_argument("--cache", action="append", default=[], metavar="FIELD=VALUE", help="override a CacheConfig field")
+    p.add_argument("--prune", action="append", default=[], metavar="FIELD=VALUE", help="override a PruneConfig field")
     p.add_argument(
         "--precision", action="append", default=[], metavar="FIELD=VALUE",
         help="override a PrecisionConfig field (a gate limit) in every @precision mode",
@@ -72,6 +73,7 @@ def _eval(args: argparse.Namespace) -> int:
         seed=args.seed, steps=args.steps, latency=args.latency, open_loop_episodes=args.open_loop_episodes,
         open_loop_stride=args.open_loop_stride, params=args.params, parity_check=not args.no_parity,
         num_threads=args.threads, flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
+        prune_overrides=parse_overrides(args.prune, "--prune"),
         precision_overrides=parse_overrides(args.precision, "--precision"), height=args.height, width=args.width,
         pipeline_depth=args.pipeline_depth, pipeline_steps=args.pipeline_steps, stream_every=args.stream_every,
         through_ros=args.through_ros, ros_one_process=args.one_process, ros_domain_id=args.domain_id,

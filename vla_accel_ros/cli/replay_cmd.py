@@ -35,6 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="override a CacheConfig field in every cache mode (repeatable), e.g. --cache sim_threshold=0.99",
     )  # fmt: skip
     p.add_argument(
+        "--prune", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a PruneConfig field in every pruning mode (repeatable), e.g. --prune keep_global=48",
+    )  # fmt: skip
+    p.add_argument(
         "--sync", action="append", default=[], metavar="FIELD=VALUE",
         help="override a limit of the observation rule (SyncConfig: max_age_ms, max_skew_ms, max_state_age_ms, "
         "image_size; default: the camera and policy nodes' values), e.g. --sync max_skew_ms=100",
@@ -62,7 +66,7 @@ def command_line(args: argparse.Namespace) -> str:
     ):  # fmt: skip
         if value != default:
             argv += [flag, str(value)]
-    for flag, items in (("--cache", args.cache), ("--precision", args.precision), ("--sync", args.sync)):
+    for flag, items in (("--cache", args.cache), ("--prune", args.prune), ("--precision", args.precision), ("--sync", args.sync)):
         for item in items:
             argv += [flag, item]
     argv += [f for f, on in (("--no-parity", args.no_parity), ("--no-plots", args.no_plots)) if on]
@@ -78,7 +82,7 @@ def _replay(args: argparse.Namespace) -> int:
         bag=Path(args.bag), bundle=Path(args.bundle), modes=tuple(parse_modes(args.modes)), warmup=args.warmup,
         max_frames=args.max_frames, seed=args.seed, parity_check=not args.no_parity, num_threads=args.threads,
         flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
-        precision_overrides=parse_overrides(args.precision, "--precision"),
+        prune_overrides=parse_overrides(args.prune, "--prune"), precision_overrides=parse_overrides(args.precision, "--precision"),
         sync_overrides=parse_overrides(args.sync, "--sync"), pipeline_depth=args.pipeline_depth,
         pipeline_steps=args.pipeline_steps,
     )  # fmt: skip

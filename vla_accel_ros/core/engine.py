@@ -114,6 +114,7 @@ class TapSpec:
     layers: tuple[int, ...]
     query_slots: torch.Tensor  # [nq] int64, ascending
     key_slots: torch.Tensor  # [nk] int64
+    entropy: bool = True  # also each layer's mean entropy (TapResult.entropy)
 
 
 @dataclass
@@ -343,7 +344,7 @@ class Engine:
             keys, values = k_cache[:, :, s0:s1], v_cache[:, :, s0:s1]
             if tap is not None and self._taps_group(tap, rows if idx is None else rows[idx]):
                 self._tap(l, qg, keys, mask, rows if idx is None else rows[idx], tap, taps, s0)
-            elif keep is not None:
+            if keep is not None:
                 keys, values, mask = keys.index_select(2, keep), values.index_select(2, keep), mask[:, keep]
             dt = low or q.dtype
             o = kern.attend(qg.to(dt), keys.to(dt), values.to(dt), mask, scale).to(q.dtype)  # [B, Hq, n_g, D]
@@ -390,14 +391,24 @@ class Engine:
         holding slots [key0, key0 + S')."""
         qi = _rel_index(rows, spec.query_slots, f"taps.query_slots at layer {l}")
         B, Hq, _, D = q.shape
-        Hkv = keys.shape[1]
-        qt = q[:, :, qi].reshape(B, Hkv, Hq // Hkv, qi.numel(), D)  # [B, Hkv, g, nq, D]
-        scores = torch.einsum("bhgqd,bhsd->bhgqs", qt, keys.to(q.dtype)) * self.stack.scaling
-        scores = scores.masked_fill(~mask[qi], float("-inf"))
-        probs = scores.softmax(dim=-1).flatten(1, 2)  # [B, Hq, nq, S']
+        Hkv, nq = keys.shape[1], qi.numel()
+        # One matmul per kv head with its query heads stacked as rows (no einsum permutes)
+        qt = q[:, :, qi].reshape(B, Hkv, (Hq // Hkv) * nq, D)
+        scores = torch.matmul(qt, keys.to(q.dtype).transpose(-1, -2)).mul_(self.stack.scaling)  # [B, Hkv, g*nq, S']
+        m = mask[qi]  # [nq, S']
+        if not bool(m.all()):
+            scores = scores.view(B, Hkv, -1, nq, m.shape[1]).masked_fill_(~m, float("-inf"))
+        probs = scores.softmax(dim=-1).view(B, Hq, nq, -1)  # [B, Hq, nq, S']
         key_slots = spec.key_slots - key0
-        pk = probs[..., key_slots]  # [B, Hq, nq, nk]
+        nk = key_slots.numel()
+        k0 = int(key_slots[0]) if nk else 0
+        if nk and torch.equal(key_slots, torch.arange(k0, k0 + nk, device=key_slots.device)):
+            pk = probs[..., k0 : k0 + nk]  # one camera block or several adjacent: a view, no gather
+        else:
+            pk = probs[..., key_slots]  # [B, Hq, nq, nk]
         out.attn[l] = pk.mean(dim=(0, 1))
+        if not spec.entropy:
+            return
         p = pk / pk.sum(-1, keepdim=True).clamp_min(1e-12)
         ent = -(p * p.clamp_min(1e-12).log()).sum(-1)  # [B, Hq, nq]
         out.entropy[l] = float(ent.mean())

@@ -24,13 +24,14 @@ when its greedy decode is complete. Actions equal sequential greedy decoding of 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from vla_accel_ros.core.engine import StepPlan, TapSpec
+from vla_accel_ros.core.engine import StepPlan
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlan, plan_stats
@@ -211,7 +212,7 @@ class PipelinedAr:
         taps = None
         if plan.taps is not None:
             t = plan.taps
-            taps = TapSpec(layers=t.layers, query_slots=t.query_slots + base, key_slots=t.key_slots + base)
+            taps = dataclasses.replace(t, query_slots=t.query_slots + base, key_slots=t.key_slots + base)
         step = StepPlan(
             slots=slots[order], positions=positions, layer_slots=layer_slots,
             drop={l: d + base for l, d in plan.drop.items()}, output_slots=outputs, taps=taps,

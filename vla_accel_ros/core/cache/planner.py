@@ -250,7 +250,10 @@ class TokenCachePlanner:
             layers.update(range(lay.num_layers))
         if not layers or lay.text_len == 0:
             return None
-        return TapSpec(layers=tuple(sorted(layers)), query_slots=lay.text_slots(), key_slots=lay.image_slots())
+        return TapSpec(
+            layers=tuple(sorted(layers)), query_slots=lay.text_slots(), key_slots=lay.image_slots(),
+            entropy=False,  # the entropy schedule computes its own from the probabilities
+        )  # fmt: skip
 
     def _stats(self, s: Selection, fixed_reused: int) -> dict:
         return {

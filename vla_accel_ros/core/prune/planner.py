@@ -16,6 +16,12 @@ A dropped token's K/V is invalid from its drop layer on (no later layer, no deco
 flow expert step attends to it); its RoPE position and the K/V of earlier layers are kept. The
 token cache is told which tokens lost their deep K/V, so it never reuses them next frame.
 
+Over the token cache, pruning drops only tokens computed at the layers the drop affects: a
+reused token costs no row there, so dropping it would save nothing this frame and cost its
+reuse in the next ones (its K/V would be gone, and the token recomputed once a later frame
+keeps it). The keep counts rank every token (reused ones included); the layer-level ratio
+applies to the computed ones.
+
 Exactness: with ``keep`` counts of 256 (nothing dropped) the plan equals the wrapped planner's
 (or the full recompute); any drop is an approximation, measured by the parity gate and the
 benchmarks.
@@ -38,7 +44,10 @@ from vla_accel_ros.core.prune.config import PruneConfig
 class _PruneHook:
     """The engine's :class:`~vla_accel_ros.core.engine.PruneHook` for one forward."""
 
-    def __init__(self, cfg: PruneConfig, lay: PrefixLayout, keep_static: torch.Tensor, fine: bool) -> None:
+    def __init__(
+        self, cfg: PruneConfig, lay: PrefixLayout, keep_static: torch.Tensor, fine: bool,
+        computed: list[torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
         L, C, T = lay.num_layers, len(lay.cameras), lay.tokens_per_camera
         self.cfg, self.C, self.T = cfg, C, T
         self.slots = lay.image_slots().reshape(C, T)
@@ -54,6 +63,12 @@ class _PruneHook:
         self.score = torch.zeros(C, T)  # [C, T] layer-level importance (EMA)
         self.spec_attn = torch.zeros(C, T)  # [C, T] attention summed over the speculative layers
         self.local = torch.zeros(C, T, dtype=torch.bool)
+        # per layer, [C, T] bool: the image tokens the plan computes there (None: all of them)
+        self.computed = computed
+
+    def droppable(self, layer: int) -> torch.Tensor:
+        """[C, T] bool: kept tokens a drop after ``layer`` takes rows from (computed at layer + 1)."""
+        return self.kept if self.computed is None else self.kept & self.computed[layer + 1]
 
     def observe(self, attn: torch.Tensor) -> torch.Tensor:
         """Fold one layer's text-to-image attention [nq, C*T] into the importance EMA."""
@@ -78,15 +93,18 @@ class _PruneHook:
         if layer == self.static_layer:
             self.local = sel.topk_mask(self.spec_attn, self.kept, self.k_local)
             keep = self.keep_static | self.local | sel.topk_mask(self.spec_attn, self.kept, self.k_min)
-            return self._drop(~keep & self.kept)
+            return self._drop(~keep & self.droppable(layer))
         if layer in self.prune_layers:
             ratio = self.cfg.dynamic_keep_fine if self.fine else self.cfg.dynamic_keep
             if ratio >= 1.0:
                 return None
-            n = self.kept.sum(-1)  # [C]
-            keep_n = [max(min(int(x), self.k_min), math.ceil(ratio * int(x))) for x in n]
-            keep = torch.stack([sel.topk_mask(self.score[c], self.kept[c], keep_n[c]) for c in range(self.C)])
-            return self._drop(self.kept & ~keep)
+            cand = self.droppable(layer)
+            n, fixed = cand.sum(-1), (self.kept & ~cand).sum(-1)  # [C]: computed / reused kept tokens
+            keep_n = [
+                max(min(int(x), self.k_min - int(f)), math.ceil(ratio * int(x))) for x, f in zip(n, fixed)
+            ]  # fmt: skip
+            keep = torch.stack([sel.topk_mask(self.score[c], cand[c], keep_n[c]) for c in range(self.C)])
+            return self._drop(cand & ~keep)
         return None
 
     def _drop(self, mask: torch.Tensor) -> torch.Tensor | None:
@@ -94,6 +112,16 @@ class _PruneHook:
             return None
         self.kept &= ~mask
         return self.slots[mask]  # ascending: camera-major, row-major
+
+
+def _image_rows(lay: PrefixLayout, layer_slots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer, [C, T] bool: which image tokens the slots compute (one isin per distinct set)."""
+    img, out, last, mask = lay.image_slots(), [], None, None
+    for rows in layer_slots:
+        if rows is not last:
+            last, mask = rows, torch.isin(img, rows).reshape(len(lay.cameras), lay.tokens_per_camera)
+        out.append(mask)
+    return out
 
 
 @dataclass
@@ -159,9 +187,12 @@ class PrunePlanner:
         if self._importance is not None:
             k = min(T, math.ceil(sel.scaled_count(cfg.keep_global, T) * scale))
             glob = sel.topk_mask(self._importance, torch.ones_like(glob), k)
-        hook = _PruneHook(cfg, lay, glob | dynamic, fine)
+        hook = _PruneHook(cfg, lay, glob | dynamic, fine, None if plan.full else _image_rows(lay, plan.layer_slots))
         layers = set(range(L)) | (set(plan.taps.layers) if plan.taps is not None else set())
-        plan.taps = TapSpec(layers=tuple(sorted(layers)), query_slots=lay.text_slots(), key_slots=lay.image_slots())
+        plan.taps = TapSpec(
+            layers=tuple(sorted(layers)), query_slots=lay.text_slots(), key_slots=lay.image_slots(),
+            entropy=False,
+        )  # fmt: skip
         plan.prune = hook
         plan.full = False
         plan.stats = {
