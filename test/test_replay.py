@@ -131,12 +131,13 @@ def test_report_md_and_plots(replays, family: str) -> None:
 
 def test_cli_prints_headline(sim_bag, tiny_bundles, tmp_path, capsys) -> None:
     argv = ["replay", str(sim_bag), "--bundle", str(tiny_bundles["ar"]), "--modes", "cache", "--report",
-            str(tmp_path / "r"), "--no-plots", "--no-parity", "--max-frames", "2"]  # fmt: skip
+            str(tmp_path / "r"), "--no-plots", "--no-parity", "--max-frames", "2", "--prune", "keep_global=32"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "speedup vs baseline" in out and "baseline" in out and "cache" in out
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     assert rep["frames"] == 2 and rep["mode_order"] == ["baseline", "cache"]  # baseline added first
+    assert "--prune keep_global=32" in rep["command"]
     assert not any((tmp_path / "r" / p).exists() for p in PLOTS)
 
 

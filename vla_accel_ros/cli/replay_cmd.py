@@ -66,7 +66,8 @@ def command_line(args: argparse.Namespace) -> str:
     ):  # fmt: skip
         if value != default:
             argv += [flag, str(value)]
-    for flag, items in (("--cache", args.cache), ("--prune", args.prune), ("--precision", args.precision), ("--sync", args.sync)):
+    overrides = (("--cache", args.cache), ("--prune", args.prune), ("--precision", args.precision), ("--sync", args.sync))
+    for flag, items in overrides:
         for item in items:
             argv += [flag, item]
     argv += [f for f, on in (("--no-parity", args.no_parity), ("--no-plots", args.no_plots)) if on]
@@ -82,7 +83,8 @@ def _replay(args: argparse.Namespace) -> int:
         bag=Path(args.bag), bundle=Path(args.bundle), modes=tuple(parse_modes(args.modes)), warmup=args.warmup,
         max_frames=args.max_frames, seed=args.seed, parity_check=not args.no_parity, num_threads=args.threads,
         flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
-        prune_overrides=parse_overrides(args.prune, "--prune"), precision_overrides=parse_overrides(args.precision, "--precision"),
+        prune_overrides=parse_overrides(args.prune, "--prune"),
+        precision_overrides=parse_overrides(args.precision, "--precision"),
         sync_overrides=parse_overrides(args.sync, "--sync"), pipeline_depth=args.pipeline_depth,
         pipeline_steps=args.pipeline_steps,
     )  # fmt: skip

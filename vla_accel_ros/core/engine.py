@@ -121,7 +121,8 @@ class TapSpec:
 class TapResult:
     # layer -> [nq, nk]: softmax attention probabilities (over all visible keys), head-averaged.
     attn: dict[int, torch.Tensor] = field(default_factory=dict)
-    # layer -> mean entropy (nats) of each query row's attention renormalized over key_slots.
+    # layer -> mean entropy (nats) of each query row's attention renormalized over key_slots
+    # (empty when the TapSpec did not ask for it).
     entropy: dict[int, float] = field(default_factory=dict)
 
 
@@ -398,11 +399,12 @@ class Engine:
         m = mask[qi]  # [nq, S']
         if not bool(m.all()):
             scores = scores.view(B, Hkv, -1, nq, m.shape[1]).masked_fill_(~m, float("-inf"))
-        probs = scores.softmax(dim=-1).view(B, Hq, nq, -1)  # [B, Hq, nq, S']
+        probs = scores.softmax(dim=-1).view(B, Hq, nq, m.shape[1])  # [B, Hq, nq, S']
         key_slots = spec.key_slots - key0
         nk = key_slots.numel()
         k0 = int(key_slots[0]) if nk else 0
-        if nk and torch.equal(key_slots, torch.arange(k0, k0 + nk, device=key_slots.device)):
+        contiguous = nk and 0 <= k0 and k0 + nk <= probs.shape[-1]
+        if contiguous and torch.equal(key_slots, torch.arange(k0, k0 + nk, device=key_slots.device)):
             pk = probs[..., k0 : k0 + nk]  # one camera block or several adjacent: a view, no gather
         else:
             pk = probs[..., key_slots]  # [B, Hq, nq, nk]

@@ -214,7 +214,7 @@ class ArPolicy(PolicyBase):
         img = layout.image_slots()
 
         def taps(slot: int) -> TapSpec:
-            return TapSpec(layers=layers, query_slots=torch.tensor([slot]), key_slots=img)
+            return TapSpec(layers=layers, query_slots=torch.tensor([slot]), key_slots=img, entropy=False)
 
         rows = torch.arange(p0)
         out = self.engine.forward(full[None], StepPlan(slots=rows, positions=rows, output_slots=rows[-1:], taps=taps(p0 - 1)))

@@ -25,6 +25,10 @@ Layer-level pruning then keeps ``dynamic_keep`` of the remaining image tokens at
 ``dynamic_layers`` (``dynamic_keep_fine`` in fine motion), ranked by an EMA over layers of a
 per-layer score: rank weight (a sigmoid of the token's attention rank) times the layer's
 confidence (how peaked its attention is: std / mean of the text-to-image attention).
+
+Over the token cache (``cache+prune``) only tokens the frame computes are dropped: reused ones
+cost no row and stay (they count toward ``min_keep``), and ``dynamic_keep`` applies to the
+computed ones.
 """
 
 from __future__ import annotations

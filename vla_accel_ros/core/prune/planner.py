@@ -16,11 +16,11 @@ A dropped token's K/V is invalid from its drop layer on (no later layer, no deco
 flow expert step attends to it); its RoPE position and the K/V of earlier layers are kept. The
 token cache is told which tokens lost their deep K/V, so it never reuses them next frame.
 
-Over the token cache, pruning drops only tokens computed at the layers the drop affects: a
-reused token costs no row there, so dropping it would save nothing this frame and cost its
+Over the token cache, pruning drops only tokens the frame computes at every layer (reused at
+none): a reused token costs no row, so dropping it would save little this frame and cost its
 reuse in the next ones (its K/V would be gone, and the token recomputed once a later frame
 keeps it). The keep counts rank every token (reused ones included); the layer-level ratio
-applies to the computed ones.
+applies to the computed ones, and ``min_keep`` counts the reused ones.
 
 Exactness: with ``keep`` counts of 256 (nothing dropped) the plan equals the wrapped planner's
 (or the full recompute); any drop is an approximation, measured by the parity gate and the
@@ -46,7 +46,7 @@ class _PruneHook:
 
     def __init__(
         self, cfg: PruneConfig, lay: PrefixLayout, keep_static: torch.Tensor, fine: bool,
-        computed: list[torch.Tensor] | None = None,
+        computed: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         L, C, T = lay.num_layers, len(lay.cameras), lay.tokens_per_camera
         self.cfg, self.C, self.T = cfg, C, T
@@ -63,12 +63,12 @@ class _PruneHook:
         self.score = torch.zeros(C, T)  # [C, T] layer-level importance (EMA)
         self.spec_attn = torch.zeros(C, T)  # [C, T] attention summed over the speculative layers
         self.local = torch.zeros(C, T, dtype=torch.bool)
-        # per layer, [C, T] bool: the image tokens the plan computes there (None: all of them)
+        # [C, T] bool: the image tokens the plan computes at every layer (None: all of them)
         self.computed = computed
 
     def droppable(self, layer: int) -> torch.Tensor:
-        """[C, T] bool: kept tokens a drop after ``layer`` takes rows from (computed at layer + 1)."""
-        return self.kept if self.computed is None else self.kept & self.computed[layer + 1]
+        """[C, T] bool: the kept tokens a drop may take (none the plan reuses at any layer)."""
+        return self.kept if self.computed is None else self.kept & self.computed
 
     def observe(self, attn: torch.Tensor) -> torch.Tensor:
         """Fold one layer's text-to-image attention [nq, C*T] into the importance EMA."""
@@ -114,14 +114,12 @@ class _PruneHook:
         return self.slots[mask]  # ascending: camera-major, row-major
 
 
-def _image_rows(lay: PrefixLayout, layer_slots: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per layer, [C, T] bool: which image tokens the slots compute (one isin per distinct set)."""
-    img, out, last, mask = lay.image_slots(), [], None, None
-    for rows in layer_slots:
-        if rows is not last:
-            last, mask = rows, torch.isin(img, rows).reshape(len(lay.cameras), lay.tokens_per_camera)
-        out.append(mask)
-    return out
+def _computed_everywhere(lay: PrefixLayout, plan: PrefixPlan) -> torch.Tensor | None:
+    """[C, T] bool: the image tokens ``plan`` computes at every layer (its sets are nested, so
+    the last layer's); None when it computes everything."""
+    if plan.full:
+        return None
+    return torch.isin(lay.image_slots(), plan.layer_slots[-1]).reshape(len(lay.cameras), lay.tokens_per_camera)
 
 
 @dataclass
@@ -187,7 +185,7 @@ class PrunePlanner:
         if self._importance is not None:
             k = min(T, math.ceil(sel.scaled_count(cfg.keep_global, T) * scale))
             glob = sel.topk_mask(self._importance, torch.ones_like(glob), k)
-        hook = _PruneHook(cfg, lay, glob | dynamic, fine, None if plan.full else _image_rows(lay, plan.layer_slots))
+        hook = _PruneHook(cfg, lay, glob | dynamic, fine, _computed_everywhere(lay, plan))
         layers = set(range(L)) | (set(plan.taps.layers) if plan.taps is not None else set())
         plan.taps = TapSpec(
             layers=tuple(sorted(layers)), query_slots=lay.text_slots(), key_slots=lay.image_slots(),
