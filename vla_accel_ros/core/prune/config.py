@@ -18,8 +18,8 @@ token) keeps the union of
 * local: the ``keep_local`` tokens the speculative layers' text queries attend to most;
 
 and drops the rest for the remaining layers (the paper: 50-70% of the image tokens; the default
-counts keep about 40% on the small demo bundles). In fine motion every keep count is multiplied by
-``fine_scale`` (fine manipulation is pruning-sensitive: keep more).
+counts keep 80 of 256 on the small demo ar bundle, the aggressive end). In fine motion every
+keep count is multiplied by ``fine_scale`` (fine manipulation is pruning-sensitive: keep more).
 
 Layer-level pruning then keeps ``dynamic_keep`` of the remaining image tokens at each of
 ``dynamic_layers`` (``dynamic_keep_fine`` in fine motion), ranked by an EMA over layers of a
