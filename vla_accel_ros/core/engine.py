@@ -336,17 +336,18 @@ class Engine:
             window = valid[s0:s1]  # this layer's row of the cache's valid flags: final once written
             seen = memo.get(g)
             if seen is not None and torch.equal(seen[0], window):
-                mask, keep = seen[1], seen[2]
+                mask, keep, kept_mask = seen[1:]
             else:
                 mask = (allowed_rows if idx is None else allowed_rows[idx])[:, s0:s1] & window  # [n_g, S']
                 keep = self._readable(mask)
-                memo[g] = (window, mask, keep)
+                kept_mask = None if keep is None else mask[:, keep]
+                memo[g] = (window, mask, keep, kept_mask)
             qg = q if idx is None else q[:, :, idx]
             keys, values = k_cache[:, :, s0:s1], v_cache[:, :, s0:s1]
             if tap is not None and self._taps_group(tap, rows if idx is None else rows[idx]):
                 self._tap(l, qg, keys, mask, rows if idx is None else rows[idx], tap, taps, s0)
             if keep is not None:
-                keys, values, mask = keys.index_select(2, keep), values.index_select(2, keep), mask[:, keep]
+                keys, values, mask = keys.index_select(2, keep), values.index_select(2, keep), kept_mask
             dt = low or q.dtype
             o = kern.attend(qg.to(dt), keys.to(dt), values.to(dt), mask, scale).to(q.dtype)  # [B, Hq, n_g, D]
             if out is None:

@@ -66,7 +66,7 @@ class _PruneHook:
         # [C, T] bool: the image tokens the plan computes at every layer (None: all of them)
         self.computed = computed
 
-    def droppable(self, layer: int) -> torch.Tensor:
+    def droppable(self) -> torch.Tensor:
         """[C, T] bool: the kept tokens a drop may take (none the plan reuses at any layer)."""
         return self.kept if self.computed is None else self.kept & self.computed
 
@@ -93,12 +93,12 @@ class _PruneHook:
         if layer == self.static_layer:
             self.local = sel.topk_mask(self.spec_attn, self.kept, self.k_local)
             keep = self.keep_static | self.local | sel.topk_mask(self.spec_attn, self.kept, self.k_min)
-            return self._drop(~keep & self.droppable(layer))
+            return self._drop(~keep & self.droppable())
         if layer in self.prune_layers:
             ratio = self.cfg.dynamic_keep_fine if self.fine else self.cfg.dynamic_keep
             if ratio >= 1.0:
                 return None
-            cand = self.droppable(layer)
+            cand = self.droppable()
             n, fixed = cand.sum(-1), (self.kept & ~cand).sum(-1)  # [C]: computed / reused kept tokens
             keep_n = [
                 max(min(int(x), self.k_min - int(f)), math.ceil(ratio * int(x))) for x, f in zip(n, fixed)
