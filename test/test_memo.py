@@ -76,6 +76,24 @@ def test_exact_mode_equals_greedy_decoding(bundle, frames):
     assert exact.infer(frames[3]).stats["reasoning_reused_fraction"] == 1.0
 
 
+def test_the_action_draft_follows_a_kept_reasoning_and_equals_greedy_decoding(bundle, frames):
+    greedy = _policy(bundle)
+    drafted = load_policy(bundle, PolicyConfig.from_dict({"parity_check": False, "memo": {"mode": "exact"}, "action_draft": "previous"}))
+    n = drafted.num_action_tokens
+    accepted = 0
+    for obs in frames[:4] + [frames[3]] * 2:
+        a, b = greedy.infer(obs), drafted.infer(obs)
+        assert b.stats["reasoning_tokens"] == a.stats["reasoning_tokens"]
+        assert b.stats["action_tokens"] == a.stats["action_tokens"]
+        accepted += b.stats["draft_accepted"]
+    assert b.stats["reasoning_reused_fraction"] == 1.0 and b.stats["draft_accepted"] == n - 1  # the repeat: no step
+    assert b.stats["decode_steps"] == 0 and accepted >= n - 1
+    # memo off: no hypothesis, so the draft rows would not sit where the actions start
+    plain = load_policy(bundle, PolicyConfig(parity_check=False, action_draft="previous"))
+    plain.infer(frames[0])
+    assert plain.infer(frames[0]).stats["draft_rows"] == 0
+
+
 def _thresholded(bundle):
     """A calibrated-mode policy whose thresholds the test sets itself (built in exact mode, which
     needs no calibration file, then switched without rebuilding them)."""

@@ -23,7 +23,7 @@ FLOPs estimate (matrix products only, 1 multiply-add = 2 FLOPs; an estimate, not
       n_l * (2*d*hd*(2*hq + 2*hkv) + 6*d*f) + 4*hq*hd * n_l*K
       K = P (bidirectional, flow) or (P+1)/2 on average (causal, ar; exact for a full prefill)
   ar decode, per generated token i = 1..A-1 (A = action_dim*chunk): the LM layers above for one
-      row with K = P+i; head 2*d*bins per action token (engine) or 2*d*V per row for every
+      row with K = P+i (tokens an action draft confirmed: none, their rows are in the prefix); head 2*d*bins per action token (engine) or 2*d*V per row for every
       prefix row and token (transformers computes the full-vocabulary logits)
   flow denoise, per Euler step (H = chunk rows, expert width d_e, f_e, hq_e): the layer formula
       with n = H, K = P+H, plus the suffix MLPs 2*H*(D*d_e + 3*d_e^2 + d_e*D); times T steps
@@ -68,6 +68,9 @@ class FrameWork:
     reference: bool = False  # the transformers path (full-vocabulary logits on every row)
     reason_rows: int = 0  # reasoning bundles: previous reasoning + <act> rows validated in the prefill
     reason_steps: int = 0  # ... and single-token steps decoding reasoning (and <act>)
+    # ar single-token action steps (None: A - 1; fewer when an action draft confirmed tokens,
+    # whose rows are among rows_per_layer)
+    decode_steps: int | None = None
 
 
 def work_from_stats(spec, stats: Mapping[str, Any], prefix_len: int, reference: bool) -> FrameWork:
@@ -80,18 +83,20 @@ def work_from_stats(spec, stats: Mapping[str, Any], prefix_len: int, reference: 
         validated = bool(stats.get("reasoning_validated"))
         regen = int(stats.get("reasoning_regenerated", n))
         kept_all = validated and regen == 0 and not stats.get("reasoning_refresh")
-        reason = {"reason_rows": n + 1 if validated else 0, "reason_steps": 0 if kept_all else regen + 1}
+        extra = {"reason_rows": n + 1 if validated else 0, "reason_steps": 0 if kept_all else regen + 1}
     else:
-        reason = {}
+        extra = {}
+    if "decode_steps" in stats:
+        extra["decode_steps"] = int(stats["decode_steps"])
     if reference or "recomputed_per_layer" not in stats:
-        return FrameWork(prefix_len, [prefix_len] * layers, cams, reference, **reason)
+        return FrameWork(prefix_len, [prefix_len] * layers, cams, reference, **extra)
     img0 = stats.get("image_recomputed_per_layer", [1])[0]
     return FrameWork(
         int(stats.get("tokens_total", prefix_len)),
         [int(n) for n in stats["recomputed_per_layer"]],
         cams if img0 > 0 else 0,
         reference,
-        **reason,
+        **extra,
     )
 
 
@@ -116,7 +121,8 @@ def estimate_flops(spec, work: FrameWork, *, flow_steps: int) -> dict[str, float
             out["reason"] = layers * (
                 decoder_layer_flops(lm, r, r * (p + r / 2.0)) + work.reason_steps * decoder_layer_flops(lm, 1, p + r)
             )
-        out["decode"] = sum(layers * decoder_layer_flops(lm, 1, p + i) for i in range(1, a))
+        steps = a - 1 if work.decode_steps is None else work.decode_steps
+        out["decode"] = sum(layers * decoder_layer_flops(lm, 1, p + i) for i in range(a - steps, a))
         vocab = int(lm["vocab_size"])
         # The engine scores the action bins of the last row only; transformers' causal LM
         # head scores the whole vocabulary on every prefix row and every decoded token.

@@ -90,6 +90,23 @@ MODES: dict[str, Mode] = {
         for accel in ("none", "cache", "prune", "cache+prune")
     },
     "memo-exact": Mode({"accel": "none", "memo": {"mode": "exact"}}, doc="reasoning reuse where a word must be the argmax"),
+    # ar: the previous chunk's action tokens verified in the prefill (exact greedy tokens).
+    **{
+        ("" if accel == "none" else f"{accel}+") + "draft": Mode(
+            {"accel": accel, "action_draft": "previous"},
+            doc="ar: the previous chunk's action tokens drafted in the prefill, decode from the first rejected one"
+            + ("" if accel == "none" else f", prefix planned by {accel}"),
+        )  # fmt: skip
+        for accel in ("none", "cache", "prune", "cache+prune")
+    },
+    "memo+draft": Mode(
+        {"accel": "none", "memo": {"mode": "calibrated"}, "action_draft": "previous"},
+        doc="reasoning reuse with calibrated thresholds, then the previous action tokens drafted after <act>",
+    ),
+    "memo-exact+draft": Mode(
+        {"accel": "none", "memo": {"mode": "exact"}, "action_draft": "previous"},
+        doc="exact reasoning reuse, then the previous action tokens drafted after <act> (equals greedy decoding)",
+    ),
 }
 BASELINE = "baseline"
 COMPILE = "compile"
@@ -287,6 +304,9 @@ def build_runs(bundle, names: list[str], cfg: ReplayConfig, gate_observations=No
     piped = [n for n in names if modes[n].pipelined]
     if piped and bundle.spec.family != "ar":
         raise ConfigError(f"mode(s) {', '.join(piped)} pipeline ar decoding; bundle {bundle.spec.name} is {bundle.spec.family}")
+    drafted = [n for n in names if configs[n].action_draft != "off"]
+    if drafted and bundle.spec.family != "ar":
+        raise ConfigError(f"mode(s) {', '.join(drafted)} draft ar action tokens; bundle {bundle.spec.name} is {bundle.spec.family}")
     base = load_policy(bundle, configs[BASELINE])
     converted: dict = {}  # one converted copy of the weights per precision
     runs = []

@@ -121,6 +121,17 @@ def planner_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return ["mode", *_PLANNER_COUNTERS], rows
 
 
+def draft_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """ar modes with ``action_draft``: per-frame means of the draft's rows and what they gave."""
+    rows = []
+    for n in result["mode_order"]:
+        sm = result["modes"][n]["stats_mean"]
+        if sm.get("draft_rows", 0) > 0:
+            share = sm["draft_accepted"] / sm["draft_rows"]
+            rows.append([n, f"{sm['draft_rows']:.1f}", f"{sm['draft_accepted']:.1f} ({100 * share:.1f}%)", f"{sm['decode_steps']:.1f}"])
+    return ["mode", "draft rows in the prefill", "tokens confirmed by them", "decode steps"], rows
+
+
 def reasoning_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Reasoning bundles: reuse and agreement per mode (MEMO-VLM)."""
     rows = []
@@ -177,6 +188,9 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
     ph, pr = planner_rows(result)
     if pr:
         lines += ["Token cache counters (per-frame means, image tokens):", "", _md_table(ph, pr), ""]
+    dh, dr = draft_rows(result)
+    if dr:
+        lines += ["Action draft (per-frame means; the previous chunk's tokens verified in the prefill):", "", _md_table(dh, dr), ""]
     rh, rr = reasoning_rows(result)
     if rr:
         lines += ["## Reasoning (MEMO-VLM)", "", _md_table(rh, rr), ""]

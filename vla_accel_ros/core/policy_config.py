@@ -11,6 +11,7 @@ from vla_accel_ros.core.prune.config import PruneConfig
 from vla_accel_ros.core.reasoning.memo import MemoConfig
 
 ACCEL_MODES = ("none", "cache", "prune", "cache+prune")
+DRAFT_MODES = ("off", "previous")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,14 @@ class PolicyConfig(Config):
         doc="mean |accelerated - full recompute| / action std on the gate's second frame (approximate paths: "
         "reuse after a change, pruning)",
         range=(0.0, 100.0),
+    )
+    action_draft: str = param(
+        "off",
+        doc="ar, sequential decode: the previous chunk's action tokens ride along in the prefill as a draft, "
+        "the tokens the model's argmax confirms are kept and the rest decoded one by one (previous: the "
+        "tokens of greedy decoding, fewer steps), or every token is decoded one by one (off); flow bundles "
+        "and the pipelined decode ignore it",
+        choices=DRAFT_MODES,
     )
     num_threads: int = param(0, doc="torch CPU threads (0: leave torch's default)", range=(0, 256), read_only=True)
     flow_steps: int = param(0, doc="flow: Euler steps per chunk (0: the bundle's num_steps)", range=(0, 1000))

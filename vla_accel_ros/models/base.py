@@ -92,7 +92,7 @@ _INSTANCES = itertools.count()
 # built for a precision and compile switch.
 _FIXED = ("parity_check", "num_threads", "seed", *(f"precision.{c}" for c in (*COMPONENTS, "compile")))
 # Fields that do not change how the prefix is planned: changing them keeps the planner's caches.
-_NOT_PLANNER = {"flow_steps", "parity_tolerance", "precision", "memo", *_FIXED}
+_NOT_PLANNER = {"flow_steps", "parity_tolerance", "precision", "memo", "action_draft", *_FIXED}
 MOTION_MODES = tuple(MODE_NAMES.values())
 
 

@@ -147,6 +147,8 @@ def stats_to_msg(chunk: ActionChunk, *, motion_mode: str, resets_total: int, res
         tokens_recomputed=int(s.get("tokens_recomputed", 0)),
         tokens_pruned=int(s.get("tokens_pruned", 0)),
         reuse_fraction=float(s.get("reuse_fraction", 0.0)),
+        decode_steps=int(s.get("decode_steps", 0)),
+        draft_accepted=int(s.get("draft_accepted", 0)),
         cache_reset=bool(s.get("cache_reset", False) or reset_reason),
         reset_reason=str(reset_reason or s.get("reset_reason", "")),
         cache_resets_total=int(resets_total),
