@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 DEMO_MODES = "transformers,baseline,cache,cache-max-reuse,prune,cache+prune"
+AR_DEMO_MODES = ("draft", "cache+prune+draft")  # added for the ar bundle with the default --modes
 EVAL_MODES = "baseline,cache,cache+prune"
 
 
@@ -92,8 +93,9 @@ def _run(args: argparse.Namespace) -> int:
 
     reports = {}
     for family, bundle in bundles.items():
-        print(f"\n[demo] replay benchmark: {family} bundle, modes {args.modes}", flush=True)
-        cfg = ReplayConfig(bag=bag, bundle=bundle, modes=modes)
+        fam_modes = modes + AR_DEMO_MODES if family == "ar" and args.modes == DEMO_MODES else modes
+        print(f"\n[demo] replay benchmark: {family} bundle, modes {','.join(fam_modes)}", flush=True)
+        cfg = ReplayConfig(bag=bag, bundle=bundle, modes=fam_modes)
         result = run_replay(cfg, progress=True, command=f"vla-accel demo ({family})")
         out = work / "reports" / f"replay-{family}-{args.size}"
         write_report(result, out)
@@ -103,7 +105,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.size == "trained":  # the shipped reasoning bundle: MEMO-VLM reuse against full regeneration
         from vla_accel_ros.core.bundle import shipped_bundle
 
-        memo_modes = ("baseline", "memo", "memo-exact")
+        memo_modes = ("baseline", "memo", "memo-exact", "memo-exact+draft")
         print(f"\n[demo] replay benchmark: reasoning bundle, modes {','.join(memo_modes)}", flush=True)
         cfg = ReplayConfig(bag=bag, bundle=shipped_bundle("transfer_cube-ar-reasoning"), modes=memo_modes)
         result = run_replay(cfg, progress=True, command="vla-accel demo (reasoning)")
