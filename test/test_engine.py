@@ -248,6 +248,32 @@ def test_keys_nobody_reads_are_left_out_so_attention_runs_unmasked(model):
     assert (got - ref[:, 40:]).abs().max() <= TOL
 
 
+def test_a_plan_run_again_reuses_its_masks_only_while_the_cache_still_matches(model):
+    """One plan for several forwards (a flow policy's Euler steps): the same results as a fresh
+    plan each time, also after keys were invalidated between two forwards (at some layers, as
+    pruning does) and after the cache's layout changed."""
+    x, y = torch.randn(1, 40, 64), torch.randn(1, 8, 64)
+    eng = _engine(model)
+    eng.forward(x, _full_plan(40))
+    rows = torch.arange(40, 48)
+
+    def plan() -> StepPlan:
+        return StepPlan(slots=rows, positions=rows, output_slots=rows)
+
+    kept = plan()
+    first = eng.forward(y, kept).hidden
+    assert torch.equal(eng.forward(y, kept).hidden, first) and torch.equal(eng.forward(y, plan()).hidden, first)
+    eng.cache.invalidate(torch.arange(10, 20), from_layer=0)  # keys fewer at every layer ...
+    eng.cache.invalidate(torch.arange(20, 30), from_layer=2)  # ... and more from layer 2 on
+    after = eng.forward(y, plan()).hidden
+    assert not torch.allclose(after, first)
+    assert torch.equal(eng.forward(y, kept).hidden, after)
+    eng.cache.set_layout([Segment(0, (Block(44, "causal"),)), Segment(44, (Block(52, "causal"),))])  # rows 44.. apart
+    moved = eng.forward(y, plan()).hidden
+    assert not torch.allclose(moved, after)
+    assert torch.equal(eng.forward(y, kept).hidden, moved)
+
+
 def test_attention_taps_match_eager_attention_for_the_requested_rows():
     model = _decoder("llama", attn="eager")
     x = torch.randn(1, 40, 64)

@@ -160,6 +160,10 @@ class StepPlan:
     output_slots: torch.Tensor | None = None
     taps: TapSpec | None = None
     prune: PruneHook | None = None
+    # The engine's scratch for this plan (rotary rows, the attention rows of the cache layout,
+    # each layer's key window, mask and gather), kept when the same plan runs again, e.g. a
+    # flow policy's Euler steps; every entry is checked against the cache before it is used.
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -232,9 +236,16 @@ class Engine:
         rows = plan.slots
         if rows.numel() != N or plan.positions.numel() != N:
             raise PlanError(f"x has {N} rows but plan has {rows.numel()} slots / {plan.positions.numel()} positions")
-        if N > 1 and not bool((rows[1:] > rows[:-1]).all()):
-            raise PlanError("plan.slots must be strictly ascending")
-        cos, sin = self.cos[plan.positions][None], self.sin[plan.positions][None]  # [1, N, D]
+        memo = plan.memo
+        if memo.get("cache") is not cache or memo.get("layout") != cache.layout_version:
+            memo.clear()  # another cache, or its layout changed: nothing derived from it holds
+            if N > 1 and not bool((rows[1:] > rows[:-1]).all()):
+                raise PlanError("plan.slots must be strictly ascending")
+            memo.update(
+                cache=cache, layout=cache.layout_version, cos=self.cos[plan.positions][None],
+                sin=self.sin[plan.positions][None], allowed_rows=cache.allowed[rows],
+            )  # fmt: skip
+        cos, sin = memo["cos"], memo["sin"]  # [1, N, D]
         Hq, Hkv, D = st.num_heads, st.num_kv_heads, st.head_dim
         taps = TapResult() if plan.taps is not None else None
         tap_layers = set(plan.taps.layers) if plan.taps is not None else set()
@@ -244,8 +255,7 @@ class Engine:
         computed: list[int] = []
         dropped_at: dict[int, torch.Tensor] = dict(plan.drop)
         gone: torch.Tensor | None = None  # [S] bool: slots the hook dropped so far
-        allowed_rows = cache.allowed[rows]  # [n, S]
-        attn_memo: dict = {}
+        allowed_rows = memo["allowed_rows"]  # [n, S]
 
         for l, layer in enumerate(st.layers):
             new_rows = rows if plan.layer_slots is None else plan.layer_slots[l]
@@ -287,7 +297,7 @@ class Engine:
                 cache.valid[l, rows] = True
                 valid = cache.valid[l]
             o = self._attend(
-                l, q, k_cache, v_cache, valid, allowed_rows, rows, plan.taps if l in tap_layers else None, taps, attn_memo
+                l, q, k_cache, v_cache, valid, allowed_rows, rows, plan.taps if l in tap_layers else None, taps, memo
             )  # fmt: skip
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
             h = layer.post_attention_layernorm(x)
@@ -322,26 +332,30 @@ class Engine:
 
         Rows of one segment read only that segment's key window [start, visible end): a packed
         forward over several segments (pipelined frames) costs what its segments cost apart,
-        not rows x every slot of the cache. ``memo`` (one per forward) keeps the windows, masks
-        and gathers of the previous layer: layers with the same rows and the same valid keys
-        (most of them) reuse them instead of recomputing a dozen small ops each."""
+        not rows x every slot of the cache. ``memo`` (the plan's) keeps, per layer, the window's
+        valid flags (a copy), mask and gather: the next layer with the same rows and the same
+        valid keys (most of them), and the same layer when the plan runs again (a flow policy's
+        Euler steps), reuse them instead of recomputing a dozen small ops each."""
         kern, scale = self.kernels, self.stack.scaling
         low = attention_dtype(self.bf16_attention_above, rows.numel(), q.dtype)
-        if memo.get("rows") is not rows:
-            memo.clear()
+        if memo.get("rows") is not rows:  # layer 0, or the rows shrank: windows of other rows
+            for key in [k for k in memo if isinstance(k, tuple)]:
+                del memo[key]
             memo["rows"], memo["groups"] = rows, self._segment_groups(rows)
         groups = memo["groups"]
         out = torch.empty_like(q) if len(groups) > 1 else None
         for g, (idx, s0, s1) in enumerate(groups):
-            window = valid[s0:s1]  # this layer's row of the cache's valid flags: final once written
-            seen = memo.get(g)
-            if seen is not None and torch.equal(seen[0], window):
-                mask, keep, kept_mask = seen[1:]
-            else:
-                mask = (allowed_rows if idx is None else allowed_rows[idx])[:, s0:s1] & window  # [n_g, S']
-                keep = self._readable(mask)
-                kept_mask = None if keep is None else mask[:, keep]
-                memo[g] = (window, mask, keep, kept_mask)
+            window = valid[s0:s1]  # this layer's row of the cache's valid flags
+            seen = memo.get((g, l))  # this layer, an earlier forward of the plan
+            if seen is None or not torch.equal(seen[0], window):
+                seen = memo.get((g, None))  # the previous layer of this forward
+                if seen is None or not torch.equal(seen[0], window):
+                    mask = (allowed_rows if idx is None else allowed_rows[idx])[:, s0:s1] & window  # [n_g, S']
+                    keep = self._readable(mask)
+                    seen = (window.clone(), mask, keep, None if keep is None else mask[:, keep])
+                memo[(g, l)] = seen
+            memo[(g, None)] = seen
+            mask, keep, kept_mask = seen[1:]
             qg = q if idx is None else q[:, :, idx]
             keys, values = k_cache[:, :, s0:s1], v_cache[:, :, s0:s1]
             if tap is not None and self._taps_group(tap, rows if idx is None else rows[idx]):

@@ -97,6 +97,8 @@ class KVCache:
         # other segments cost nothing.
         self.visible_end = torch.zeros(max_slots, dtype=torch.long, device=device)
         self.seg_start = torch.zeros(max_slots, dtype=torch.long, device=device)
+        # Counts set_layout calls: what an engine derived from ``allowed`` holds until it changes.
+        self.layout_version = 0
 
     @property
     def num_layers(self) -> int:
@@ -114,6 +116,7 @@ class KVCache:
         self.seg_start.zero_()
         for seg in segments:
             self.seg_start[seg.start : seg.start + seg.length] = seg.start
+        self.layout_version += 1
 
     def invalidate(self, slots: torch.Tensor | None = None, from_layer: int = 0) -> None:
         """Forget slots (all when None) from ``from_layer`` on."""

@@ -134,11 +134,17 @@ class FlowPolicy(PolicyBase):
             raise ObservationError(f"noise has shape {list(noise.shape)}, expected {list(shape)}")
         return torch.from_numpy(noise.copy())[None]  # [1, H, D]
 
-    def velocity(self, x_t: torch.Tensor, t: float, length: int, *, differentiable: bool = False) -> torch.Tensor:
+    def expert_plan(self, length: int) -> StepPlan:
+        """The expert pass's plan over a prefix of ``length`` slots: the chunk's rows after it.
+        One plan serves every Euler step of a chunk (the engine keeps its masks between them)."""
+        slots = torch.arange(length, length + self.spec.chunk_size)
+        return StepPlan(slots=slots, positions=slots, output_slots=slots)
+
+    def velocity(
+        self, x_t: torch.Tensor, t: float, length: int, *, differentiable: bool = False, plan: StepPlan | None = None
+    ) -> torch.Tensor:
         """One expert pass over the cached prefix.  x_t: [1, H, D] -> v: [1, H, D]"""
-        h = self.spec.chunk_size
-        slots = torch.arange(length, length + h)
-        plan = StepPlan(slots=slots, positions=slots, output_slots=slots)
+        plan = plan or self.expert_plan(length)
         if differentiable:
             with torch.enable_grad():
                 out = self.expert_engine.forward(self.model.suffix_embeddings(x_t, t), plan, differentiable=True)
@@ -152,10 +158,11 @@ class FlowPolicy(PolicyBase):
         steps = self.num_steps
         dt = 1.0 / steps
         x = noise
+        plan = self.expert_plan(length)
         if guidance is None:
             for i in range(steps):
                 t = 1.0 - i * dt
-                x = x - dt * self.velocity(x, t, length)
+                x = x - dt * self.velocity(x, t, length, plan=plan)
             return x
         if self.precision.expert == "int8":
             raise ConfigError("Real-Time Chunking guidance differentiates the expert; precision.expert=int8 has no backward (use bf16)")
@@ -163,7 +170,7 @@ class FlowPolicy(PolicyBase):
         for i in range(steps):
             t = 1.0 - i * dt
             x_in = x.detach().requires_grad_(True)
-            v = self.velocity(x_in, t, length, differentiable=True)
+            v = self.velocity(x_in, t, length, differentiable=True, plan=plan)
             with torch.enable_grad():
                 x1_hat = x_in - t * v  # the data the current velocity points at
                 (g,) = torch.autograd.grad(x1_hat, x_in, grad_outputs=(y - x1_hat.detach()) * w)
