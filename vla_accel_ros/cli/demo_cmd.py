@@ -115,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
         print(headline_text(result))
         for name in memo_modes:
             m = result["modes"][name]
-            print(f"  {name:<11} reasoning reused {100 * m['reasoning_reused_fraction']['mean']:5.1f}%, "
+            print(f"  {name:<16} reasoning reused {100 * m['reasoning_reused_fraction']['mean']:5.1f}%, "
                   f"agreement with full regeneration {100 * m['reasoning_agreement_vs_baseline']['mean']:6.2f}%")
 
     evaluation = None
