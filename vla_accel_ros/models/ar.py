@@ -35,7 +35,6 @@ from vla_accel_ros.models.base import PolicyBase, StageTimer, VisionPrefix
 from vla_accel_ros.models.common import HashWordTokenizer, Normalizer, build_decoder
 
 
-
 # Rows of each decode forward after a draft's first rejection: the last token and the next
 # guesses of the draft. A forward of a few rows costs about one decode step (the weights stream
 # once), so a wrong guess costs little and a right one saves a step. Measured on the trained
@@ -352,8 +351,8 @@ class ArPolicy(PolicyBase):
         """The action tokens, greedy: the first from ``act_hidden``, then as many as the draft
         rows of the prefill confirm (``draft_out`` [n - 1, H]: the outputs of the rows whose
         inputs were ``draft[:-1]`` at slots a0..), then decode forwards from slot ``a0 + len - 1``
-        on: each takes the last token and, with a draft, the next ``DRAFT_WINDOW - 1`` guesses
-        of it. Row i of a forward predicts the token after its input, which is greedy
+        on: each takes the last token and, with a draft, its next ``DRAFT_WINDOW - 1`` guesses.
+        Row i of a forward predicts the token after its input, which is greedy
         decoding's token as long as every input before it equals the tokens so far.
         Returns the tokens, how many the draft rows confirmed, and the decode forwards run."""
         n, first = self.num_action_tokens, self._first_action_id
