@@ -88,6 +88,17 @@ def test_the_action_draft_follows_a_kept_reasoning_and_equals_greedy_decoding(bu
         accepted += b.stats["draft_accepted"]
     assert b.stats["reasoning_reused_fraction"] == 1.0 and b.stats["draft_accepted"] == n - 1  # the repeat: no step
     assert b.stats["decode_steps"] == 0 and accepted >= n - 1
+    # A hypothesis with one wrong word: the reasoning is regenerated (to the same length when the
+    # word is replaced), so the draft rows saw other words and must not be used.
+    truth, nw = list(drafted.memo_state.classes), len(drafted.reasoning_words)
+    reference = greedy.infer(frames[3]).stats
+    for j in range(len(truth)):
+        drafted.memo_state.classes = truth[:j] + [(truth[j] + 1) % nw] + truth[j + 1 :]
+        drafted._draft = list(reference["action_tokens"])
+        got = drafted.infer(frames[3]).stats
+        assert got["reasoning_tokens"] == reference["reasoning_tokens"], j
+        assert got["action_tokens"] == reference["action_tokens"], j
+        assert not got["reasoning_kept_whole"] and got["draft_accepted"] < n - 1, j
     # memo off: no hypothesis, so the draft rows would not sit where the actions start
     plain = load_policy(bundle, PolicyConfig(parity_check=False, action_draft="previous"))
     plain.infer(frames[0])

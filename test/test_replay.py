@@ -165,6 +165,14 @@ def test_flops_formula() -> None:
     assert partial["prefill"] < full["prefill"] and partial["denoise"] == full["denoise"]
     assert skipped["vision"] == 0 and skipped["total"] < partial["total"]
     assert full["total"] == pytest.approx(sum(v for k, v in full.items() if k != "total"))
+    # ar decode: A - 1 single rows, row i seeing P + i keys (the average P + A/2 is exact);
+    # an action draft's decode rows are priced the same way, its prefill rows with the prefix
+    ar = demo_spec("ar", "tiny")
+    a, p, ln = ar.action_dim * ar.chunk_size, 300, ar.lm["num_hidden_layers"]
+    plain = estimate_flops(ar, FrameWork(p, [p] * ln, 1), flow_steps=0)
+    assert plain["decode"] == pytest.approx(sum(ln * decoder_layer_flops(ar.lm, 1, p + i) for i in range(1, a)))
+    drafted = estimate_flops(ar, FrameWork(p, [p] * ln, 1, decode_rows=4, draft_rows=a - 1), flow_steps=0)
+    assert drafted["decode"] == pytest.approx(plain["decode"] * 4 / (a - 1)) and drafted["head"] > plain["head"]
 
 
 # -- errors: one clear line, exit code 2 ---------------------------------------------------------

@@ -23,8 +23,10 @@ FLOPs estimate (matrix products only, 1 multiply-add = 2 FLOPs; an estimate, not
       n_l * (2*d*hd*(2*hq + 2*hkv) + 6*d*f) + 4*hq*hd * n_l*K
       K = P (bidirectional, flow) or (P+1)/2 on average (causal, ar; exact for a full prefill)
   ar decode, per generated token i = 1..A-1 (A = action_dim*chunk): the LM layers above for one
-      row with K = P+i (tokens an action draft confirmed: none, their rows are in the prefix); head 2*d*bins per action token (engine) or 2*d*V per row for every
-      prefix row and token (transformers computes the full-vocabulary logits)
+      row with K = P+i (with an action draft: its decode rows, K = P+A/2 on average; its rows
+      in the prefill are among the prefix rows); head 2*d*bins per scored row (engine: the
+      last prefix row, draft rows, decode rows) or 2*d*V per row for every prefix row and token
+      (transformers computes the full-vocabulary logits)
   flow denoise, per Euler step (H = chunk rows, expert width d_e, f_e, hq_e): the layer formula
       with n = H, K = P+H, plus the suffix MLPs 2*H*(D*d_e + 3*d_e^2 + d_e*D); times T steps
   cameras run through the vision tower: every camera with any image row computed at layer 0
@@ -68,9 +70,11 @@ class FrameWork:
     reference: bool = False  # the transformers path (full-vocabulary logits on every row)
     reason_rows: int = 0  # reasoning bundles: previous reasoning + <act> rows validated in the prefill
     reason_steps: int = 0  # ... and single-token steps decoding reasoning (and <act>)
-    # ar single-token action steps (None: A - 1; fewer when an action draft confirmed tokens,
-    # whose rows are among rows_per_layer)
-    decode_steps: int | None = None
+    # ar action decode: rows of the forwards after the prefill (None: A - 1 single-token steps;
+    # with an action draft, its window rows) and the draft's rows in the prefill (among
+    # rows_per_layer too); both get action logits
+    decode_rows: int | None = None
+    draft_rows: int = 0
 
 
 def work_from_stats(spec, stats: Mapping[str, Any], prefix_len: int, reference: bool) -> FrameWork:
@@ -86,8 +90,8 @@ def work_from_stats(spec, stats: Mapping[str, Any], prefix_len: int, reference: 
         extra = {"reason_rows": n + 1 if validated else 0, "reason_steps": 0 if kept_all else regen + 1}
     else:
         extra = {}
-    if "decode_steps" in stats:
-        extra["decode_steps"] = int(stats["decode_steps"])
+    if "decode_rows" in stats:
+        extra.update(decode_rows=int(stats["decode_rows"]), draft_rows=int(stats.get("draft_rows", 0)))
     if reference or "recomputed_per_layer" not in stats:
         return FrameWork(prefix_len, [prefix_len] * layers, cams, reference, **extra)
     img0 = stats.get("image_recomputed_per_layer", [1])[0]
@@ -121,12 +125,14 @@ def estimate_flops(spec, work: FrameWork, *, flow_steps: int) -> dict[str, float
             out["reason"] = layers * (
                 decoder_layer_flops(lm, r, r * (p + r / 2.0)) + work.reason_steps * decoder_layer_flops(lm, 1, p + r)
             )
-        steps = a - 1 if work.decode_steps is None else work.decode_steps
-        out["decode"] = sum(layers * decoder_layer_flops(lm, 1, p + i) for i in range(a - steps, a))
+        rows = a - 1 if work.decode_rows is None else work.decode_rows
+        # a decode row sees P + i keys, i = 1..A-1: P + A/2 on average (exact for plain decoding)
+        out["decode"] = layers * decoder_layer_flops(lm, rows, rows * (p + a / 2.0))
         vocab = int(lm["vocab_size"])
         # The engine scores the action bins of the last row only; transformers' causal LM
         # head scores the whole vocabulary on every prefix row and every decoded token.
-        out["head"] = 2.0 * d * vocab * (p + a - 1) if work.reference else 2.0 * d * spec.action_bins * a
+        scored = 1 + work.draft_rows + rows  # the prefill's last row, draft rows, decode rows
+        out["head"] = 2.0 * d * vocab * (p + a - 1) if work.reference else 2.0 * d * spec.action_bins * scored
     else:
         ex = spec.expert
         h, dim = spec.chunk_size, spec.action_dim

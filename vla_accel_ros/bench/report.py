@@ -128,8 +128,13 @@ def draft_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         sm = result["modes"][n]["stats_mean"]
         if sm.get("draft_rows", 0) > 0:
             share = sm["draft_accepted"] / sm["draft_rows"]
-            rows.append([n, f"{sm['draft_rows']:.1f}", f"{sm['draft_accepted']:.1f} ({100 * share:.1f}%)", f"{sm['decode_steps']:.1f}"])
-    return ["mode", "draft rows in the prefill", "tokens confirmed by them", "decode steps"], rows
+            rows.append([
+                n, f"{sm['draft_rows']:.1f}", f"{sm['draft_accepted']:.1f} ({100 * share:.1f}%)", f"{sm['decode_steps']:.1f}",
+                f"{sm.get('decode_rows', 0.0):.1f}",
+            ])  # fmt: skip
+    header = ["mode", "draft rows in the prefill", "tokens the draft confirmed (prefill and windows)", "decode forwards",
+              "decode rows"]  # fmt: skip
+    return header, rows
 
 
 def reasoning_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:

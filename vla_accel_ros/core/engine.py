@@ -237,12 +237,12 @@ class Engine:
         if rows.numel() != N or plan.positions.numel() != N:
             raise PlanError(f"x has {N} rows but plan has {rows.numel()} slots / {plan.positions.numel()} positions")
         memo = plan.memo
-        if memo.get("cache") is not cache or memo.get("layout") != cache.layout_version:
-            memo.clear()  # another cache, or its layout changed: nothing derived from it holds
+        if memo.get("engine") is not self or memo.get("layout") != cache.layout_version:
+            memo.clear()  # another engine (its rotary tables, its cache), or the layout changed
             if N > 1 and not bool((rows[1:] > rows[:-1]).all()):
                 raise PlanError("plan.slots must be strictly ascending")
             memo.update(
-                cache=cache, layout=cache.layout_version, cos=self.cos[plan.positions][None],
+                engine=self, layout=cache.layout_version, cos=self.cos[plan.positions][None],
                 sin=self.sin[plan.positions][None], allowed_rows=cache.allowed[rows],
             )  # fmt: skip
         cos, sin = memo["cos"], memo["sin"]  # [1, N, D]

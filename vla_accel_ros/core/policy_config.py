@@ -37,9 +37,10 @@ class PolicyConfig(Config):
     action_draft: str = param(
         "off",
         doc="ar, sequential decode: the previous chunk's action tokens ride along in the prefill as a draft, "
-        "the tokens the model's argmax confirms are kept and the rest decoded one by one (previous: the "
-        "tokens of greedy decoding, fewer steps), or every token is decoded one by one (off); flow bundles "
-        "and the pipelined decode ignore it",
+        "the tokens the model's argmax confirms are kept and the rest decoded in short windows (previous: "
+        "greedy decoding's tokens with an fp32 LM, fewer steps; a bf16/hybrid LM computes the confirmed "
+        "tokens on its prefill path), or every token is decoded one by one (off); flow bundles and the "
+        "pipelined decode ignore it",
         choices=DRAFT_MODES,
     )
     num_threads: int = param(0, doc="torch CPU threads (0: leave torch's default)", range=(0, 256), read_only=True)

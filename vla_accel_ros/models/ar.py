@@ -192,7 +192,8 @@ class ArPolicy(PolicyBase):
             keep = decision.keep
             stats["reasoning_refresh"] = decision.refresh
             stats["reasoning_min_prob"] = float(p.min())
-        if keep == n_prev + 1:  # every word and <act> held: the actions follow the <act> row
+        stats["reasoning_kept_whole"] = prev is not None and keep == n_prev + 1
+        if stats["reasoning_kept_whole"]:  # every word and <act> held: the actions follow the <act> row
             classes, act_hidden = list(prev), rows_out[n_prev + 1]
         else:
             classes = list(prev[:keep]) if prev else []
@@ -326,10 +327,13 @@ class ArPolicy(PolicyBase):
             with timer.stage("reason"):
                 classes, act_hidden, reasoning_stats = self._reason(p0, out.hidden[0, : 1 + n_hyp], prev)
             a0 = p0 + len(classes) + 1
-        # The draft rows saw the right context only if the actions start where they sit.
-        draft_out = out.hidden[0, 1 + n_hyp :] if draft is not None and a0 == p0 + n_hyp else None
+        # The draft rows saw the right context only if the prefill's hypothesis rows hold this
+        # frame's reasoning: the same words (then <act> too, validated or forced by the length
+        # cap); a regenerated reasoning of the same length with other words does not.
+        same = not self.reasoning_words or (prev is not None and classes == list(prev))
+        draft_out = out.hidden[0, 1 + n_hyp :] if draft is not None and same else None
         with timer.stage("decode"):
-            tokens, accepted, steps = self._decode_tokens(a0, act_hidden, draft, draft_out)
+            tokens, accepted, steps, rows_run = self._decode_tokens(a0, act_hidden, draft, draft_out)
         with timer.stage("postprocess"):
             actions = self._decode_actions(tokens)
         if self.config.action_draft == "previous":
@@ -339,6 +343,7 @@ class ArPolicy(PolicyBase):
         stats["draft_rows"] = 0 if draft is None else len(draft) - 1
         stats["draft_accepted"] = accepted
         stats["decode_steps"] = steps
+        stats["decode_rows"] = rows_run
         stats.update(reasoning_stats)
         return ActionChunk(
             actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, chunk_id=self.next_chunk_id(),
@@ -347,22 +352,25 @@ class ArPolicy(PolicyBase):
 
     def _decode_tokens(
         self, a0: int, act_hidden: torch.Tensor, draft: list[int] | None, draft_out: torch.Tensor | None
-    ) -> tuple[list[int], int, int]:
+    ) -> tuple[list[int], int, int, int]:
         """The action tokens, greedy: the first from ``act_hidden``, then as many as the draft
         rows of the prefill confirm (``draft_out`` [n - 1, H]: the outputs of the rows whose
         inputs were ``draft[:-1]`` at slots a0..), then decode forwards from slot ``a0 + len - 1``
         on: each takes the last token and, with a draft, its next ``DRAFT_WINDOW - 1`` guesses.
         Row i of a forward predicts the token after its input, which is greedy
-        decoding's token as long as every input before it equals the tokens so far.
-        Returns the tokens, how many the draft rows confirmed, and the decode forwards run."""
+        decoding's token as long as every input before it equals the tokens so far (in fp32;
+        a reduced-precision LM computes the prefill's draft rows and the windows on other paths
+        than single decode rows, see the README). Returns the tokens, how many of them draft
+        rows confirmed (the prefill's and the windows'), the decode forwards and their rows."""
         n, first = self.num_action_tokens, self._first_action_id
         tokens = [int(self.model.action_logits(act_hidden).argmax()) + first]
         accepted = 0 if draft_out is None else _confirm(tokens, draft, self._argmax_tokens(draft_out), n)
-        steps = 0
+        steps, rows_run = 0, 0
         # A rejected row's K/V (slots from a0 + len(tokens) - 1 on) is overwritten by the next
         # forward before any row may read it: the causal mask hides later slots.
         while len(tokens) < n:
-            guesses = [] if draft is None else draft[len(tokens) : len(tokens) + DRAFT_WINDOW - 1]
+            # guesses for tokens len .. at most n - 2: the last token is never an input
+            guesses = [] if draft is None else draft[len(tokens) : min(len(tokens) + DRAFT_WINDOW, n) - 1]
             slot = a0 + len(tokens) - 1
             rows = torch.arange(slot, slot + 1 + len(guesses))
             x = self.model.embed_ids([tokens[-1], *guesses])[None]
@@ -370,8 +378,8 @@ class ArPolicy(PolicyBase):
             predicted = self._argmax_tokens(o.hidden[0])
             tokens.append(predicted[0])
             accepted += _confirm(tokens, guesses, predicted[1:], n)
-            steps += 1
-        return tokens, accepted, steps
+            steps, rows_run = steps + 1, rows_run + rows.numel()
+        return tokens, accepted, steps, rows_run
 
     def _argmax_tokens(self, hidden: torch.Tensor) -> list[int]:
         return (self.model.action_logits(hidden).argmax(-1) + self._first_action_id).tolist()
