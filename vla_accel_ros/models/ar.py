@@ -165,9 +165,10 @@ class ArPolicy(PolicyBase):
             return None
         return list(self.memo_state.classes) or None
 
-    def _step(self, token_id: int, slot: int, taps: TapSpec | None = None):
-        s = torch.tensor([slot])
-        return self.engine.forward(self.model.embed_ids([token_id])[None], StepPlan(slots=s, positions=s, output_slots=s, taps=taps))
+    def _step(self, token_ids: list[int], slot: int, taps: TapSpec | None = None):
+        """Tokens at consecutive slots from ``slot`` (a decode step: one), every row output."""
+        s = torch.arange(slot, slot + len(token_ids))
+        return self.engine.forward(self.model.embed_ids(token_ids)[None], StepPlan(slots=s, positions=s, output_slots=s, taps=taps))
 
     def _reason(self, p0: int, rows_out: torch.Tensor, prev: list[int] | None) -> tuple[list[int], torch.Tensor, dict]:
         """The reasoning of this frame. ``p0``: its first slot (the prefix length);
@@ -200,9 +201,9 @@ class ArPolicy(PolicyBase):
             nxt = int(logits[keep].argmax())
             while nxt != self.act_class and len(classes) < self.spec.max_reasoning_tokens:
                 classes.append(nxt)
-                o = self._step(ids[nxt], p0 + len(classes) - 1)
+                o = self._step([ids[nxt]], p0 + len(classes) - 1)
                 nxt = int(self.model.reasoning_logits(o.hidden[0, -1]).argmax())
-            act_hidden = self._step(ids[self.act_class], p0 + len(classes)).hidden[0, -1]
+            act_hidden = self._step([ids[self.act_class]], p0 + len(classes)).hidden[0, -1]
             if decision is not None and self.config.memo.mode == "calibrated":
                 # False rejections: a failed word the regeneration wrote again at its place.
                 same = [i for i in decision.failed.tolist() if i < min(len(classes), n_prev) and classes[i] == prev[i]]
@@ -254,7 +255,7 @@ class ArPolicy(PolicyBase):
                 break
             classes.append(c)
             slot = p0 + len(classes) - 1
-            o = self._step(self.model.reasoning_token_ids[c], slot, taps(slot))
+            o = self._step([self.model.reasoning_token_ids[c]], slot, taps(slot))
             hidden, tap = o.hidden[0, -1], o.taps
         self.planner.reset("external prefix write")
         return words, probs, mass
@@ -302,8 +303,7 @@ class ArPolicy(PolicyBase):
             extra = [] if prev is None else [self.model.reasoning_token_ids[c] for c in (*prev, self.act_class)]
             n_hyp = len(extra)
             # The draft follows where the actions will start if the hypothesis holds.
-            draft = self._draft if not self.reasoning_words or prev is not None else None
-            draft = draft if self.config.action_draft == "previous" else None
+            draft = self._draft if not self.reasoning_words or prev is not None else None  # set by action_draft only
             if draft is not None:
                 extra = extra + draft[:-1]
             ext = torch.arange(p0, p0 + len(extra))
@@ -371,14 +371,11 @@ class ArPolicy(PolicyBase):
         while len(tokens) < n:
             # guesses for tokens len .. at most n - 2: the last token is never an input
             guesses = [] if draft is None else draft[len(tokens) : min(len(tokens) + DRAFT_WINDOW, n) - 1]
-            slot = a0 + len(tokens) - 1
-            rows = torch.arange(slot, slot + 1 + len(guesses))
-            x = self.model.embed_ids([tokens[-1], *guesses])[None]
-            o = self.engine.forward(x, StepPlan(slots=rows, positions=rows, output_slots=rows))
+            o = self._step([tokens[-1], *guesses], a0 + len(tokens) - 1)
             predicted = self._argmax_tokens(o.hidden[0])
             tokens.append(predicted[0])
             accepted += _confirm(tokens, guesses, predicted[1:], n)
-            steps, rows_run = steps + 1, rows_run + rows.numel()
+            steps, rows_run = steps + 1, rows_run + 1 + len(guesses)
         return tokens, accepted, steps, rows_run
 
     def _argmax_tokens(self, hidden: torch.Tensor) -> list[int]:
