@@ -274,6 +274,45 @@ def test_a_plan_run_again_reuses_its_masks_only_while_the_cache_still_matches(mo
     assert torch.equal(eng.forward(y, kept).hidden, moved)
 
 
+def test_a_plan_run_again_keeps_its_gathered_keys_only_while_nothing_else_wrote(model):
+    """A chunk attending to a prefix with holes (pruned tokens) gathers the readable keys; run
+    again (Euler steps), it writes only its own rows into the keys it gathered. Same results as
+    an engine given a fresh plan every time, also after another forward rewrote prefix keys
+    (then the kept keys would be stale) and after keys were invalidated."""
+    layout = [Segment(0, (Block(40, "bidirectional"), Block(8, "bidirectional")))]
+    x, x2 = torch.randn(1, 40, 64), torch.randn(1, 40, 64)
+    rows = torch.arange(40, 48)
+    engines = [_engine(model, slots=48, segments=layout) for _ in range(2)]
+    for eng in engines:
+        eng.forward(x, _full_plan(40))
+        eng.cache.invalidate(torch.arange(10, 30), from_layer=1)  # 28 of 48 keys readable from layer 1
+    kept_eng, ref_eng = engines
+
+    def plan() -> StepPlan:
+        return StepPlan(slots=rows, positions=rows, output_slots=rows)
+
+    kept = plan()
+
+    def both(y):
+        got, ref = kept_eng.forward(y, kept).hidden, ref_eng.forward(y, plan()).hidden
+        assert torch.equal(got, ref)
+        return got
+
+    outs = [both(torch.randn(1, 8, 64)) for _ in range(3)]
+    assert any(isinstance(k, tuple) and k[0] == "kv" for k in kept.memo)  # the kept keys were used
+    y = torch.randn(1, 8, 64)
+    before = both(y)
+    assert not torch.allclose(before, outs[-1])
+    for eng in engines:  # another plan rewrites prefix keys that stay valid
+        head = torch.arange(0, 5)
+        eng.forward(x2[:, :5], StepPlan(slots=head, positions=head))
+    after = both(y)
+    assert not torch.allclose(after, before)
+    for eng in engines:
+        eng.cache.invalidate(torch.arange(30, 35), from_layer=2)
+    assert not torch.allclose(both(y), after)
+
+
 def test_attention_taps_match_eager_attention_for_the_requested_rows():
     model = _decoder("llama", attn="eager")
     x = torch.randn(1, 40, 64)

@@ -105,6 +105,7 @@ class CompiledEngine(Engine):
             return super().forward(x, plan)  # the eager loop reports the malformed plan
         with torch.inference_mode():
             hidden = self.compiled(x, plan.slots, plan.positions, c.k, c.v, c.valid, c.allowed)
+            c.writes += 1  # what an eager plan run again kept of the cache is stale now
             if plan.output_slots is not None:
                 hidden = hidden[:, _rel_index(plan.slots, plan.output_slots, "output_slots")]
         self.static_calls += 1

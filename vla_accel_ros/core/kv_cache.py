@@ -99,6 +99,10 @@ class KVCache:
         self.seg_start = torch.zeros(max_slots, dtype=torch.long, device=device)
         # Counts set_layout calls: what an engine derived from ``allowed`` holds until it changes.
         self.layout_version = 0
+        # Counts writes of K/V or valid flags (engine forwards, the methods below; any other
+        # writer must bump it): a plan run again may keep copies of keys it did not write only
+        # while nothing else wrote (the engine's plan memo).
+        self.writes = 0
 
     @property
     def num_layers(self) -> int:
@@ -114,16 +118,25 @@ class KVCache:
         idx = torch.arange(1, self.max_slots + 1, device=allowed.device)
         self.visible_end.copy_((allowed * idx).amax(dim=1))
         self.seg_start.zero_()
+        self.writes += 1
         for seg in segments:
             self.seg_start[seg.start : seg.start + seg.length] = seg.start
         self.layout_version += 1
 
     def invalidate(self, slots: torch.Tensor | None = None, from_layer: int = 0) -> None:
         """Forget slots (all when None) from ``from_layer`` on."""
+        self.writes += 1
         if slots is None:
             self.valid[from_layer:] = False
         else:
             self.valid[from_layer:, slots] = False
+
+    def copy_slots(self, src: int, dst: int, length: int) -> None:
+        """Move ``length`` slots' K/V and valid flags from ``src`` to ``dst`` (every layer)."""
+        self.k[:, :, :, dst : dst + length] = self.k[:, :, :, src : src + length]
+        self.v[:, :, :, dst : dst + length] = self.v[:, :, :, src : src + length]
+        self.valid[:, dst : dst + length] = self.valid[:, src : src + length]
+        self.writes += 1
 
     def is_valid(self, slots: torch.Tensor, layers: slice | int = slice(None)) -> bool:
         return bool(self.valid[layers][..., slots].all())

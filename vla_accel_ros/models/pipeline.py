@@ -143,7 +143,7 @@ class PipelinedAr:
             self.cache.invalidate(torch.arange(base, base + self.region_len))
             if self._last_region is not None and self._uses_cache():
                 old = self._last_region * self.region_len
-                self._copy_prefix(old, base, layout.length)
+                self.cache.copy_slots(old, base, layout.length)
         with timer.stage("select"):
             plan = self.planner.plan(ctx)
         with timer.stage("vision"):
@@ -180,12 +180,6 @@ class PipelinedAr:
     # -- internals ---------------------------------------------------------------------------------
     def _uses_cache(self) -> bool:
         return bool(getattr(self.policy.config, "uses_cache", False))
-
-    def _copy_prefix(self, src: int, dst: int, length: int) -> None:
-        c = self.cache
-        c.k[:, :, :, dst : dst + length] = c.k[:, :, :, src : src + length]
-        c.v[:, :, :, dst : dst + length] = c.v[:, :, :, src : src + length]
-        c.valid[:, dst : dst + length] = c.valid[:, src : src + length]
 
     def _decode_rows(self) -> tuple[list[_Frame], torch.Tensor, torch.Tensor, torch.Tensor]:
         """The next decode row of every unfinished frame in flight: frames, slots, positions, x."""
