@@ -274,18 +274,26 @@ def test_a_plan_run_again_reuses_its_masks_only_while_the_cache_still_matches(mo
     assert torch.equal(eng.forward(y, kept).hidden, moved)
 
 
-def test_a_plan_run_again_keeps_its_gathered_keys_only_while_nothing_else_wrote(model):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_plan_run_again_keeps_its_gathered_keys_only_while_nothing_else_wrote(model, cache_dtype):
     """A chunk attending to a prefix with holes (pruned tokens) gathers the readable keys; run
     again (Euler steps), it writes only its own rows into the keys it gathered. Same results as
-    an engine given a fresh plan every time, also after another forward rewrote prefix keys
-    (then the kept keys would be stale) and after keys were invalidated."""
+    an engine given a fresh plan every time: across another forward's rewrite of prefix keys
+    (then, and at every later run, the keys kept before it would be stale), after keys were
+    invalidated, with a bf16 cache read by fp32 attention (the rows kept as the cache rounds
+    them), and for a plan whose rows changed between two forwards."""
     layout = [Segment(0, (Block(40, "bidirectional"), Block(8, "bidirectional")))]
     x, x2 = torch.randn(1, 40, 64), torch.randn(1, 40, 64)
     rows = torch.arange(40, 48)
-    engines = [_engine(model, slots=48, segments=layout) for _ in range(2)]
-    for eng in engines:
+    stack = DecoderStack(model)
+    engines = []
+    for _ in range(2):
+        cache = stack.make_cache(48, dtype=cache_dtype)
+        cache.set_layout(layout)
+        eng = Engine(stack, cache)
         eng.forward(x, _full_plan(40))
         eng.cache.invalidate(torch.arange(10, 30), from_layer=1)  # 28 of 48 keys readable from layer 1
+        engines.append(eng)
     kept_eng, ref_eng = engines
 
     def plan() -> StepPlan:
@@ -306,11 +314,21 @@ def test_a_plan_run_again_keeps_its_gathered_keys_only_while_nothing_else_wrote(
     for eng in engines:  # another plan rewrites prefix keys that stay valid
         head = torch.arange(0, 5)
         eng.forward(x2[:, :5], StepPlan(slots=head, positions=head))
-    after = both(y)
-    assert not torch.allclose(after, before)
+    after = [both(y) for _ in range(3)]
+    assert not torch.allclose(after[0], before)
     for eng in engines:
         eng.cache.invalidate(torch.arange(30, 35), from_layer=2)
-    assert not torch.allclose(both(y), after)
+    assert not torch.allclose(both(y), after[0])
+    # The same plan object given per-layer rows, then none again: the rows it left without
+    # valid K/V at the deep layers must be marked valid again.
+    z = torch.randn(1, 8, 64)
+    for eng in engines:
+        eng.cache.invalidate(rows)
+    kept.layer_slots, kept.output_slots = [rows, rows, rows[:4], rows[:4]], rows[:4]
+    kept_eng.forward(z, kept)
+    ref_eng.forward(z, StepPlan(slots=rows, positions=rows, output_slots=rows[:4], layer_slots=kept.layer_slots))
+    kept.layer_slots, kept.output_slots = None, rows
+    both(z)
 
 
 def test_attention_taps_match_eager_attention_for_the_requested_rows():

@@ -237,22 +237,28 @@ class Engine:
         if rows.numel() != N or plan.positions.numel() != N:
             raise PlanError(f"x has {N} rows but plan has {rows.numel()} slots / {plan.positions.numel()} positions")
         memo = plan.memo
-        if memo.get("engine") is not self or memo.get("layout") != cache.layout_version:
-            memo.clear()  # another engine (its rotary tables, its cache), or the layout changed
+        parts = (plan.slots, plan.positions, plan.layer_slots)
+        if (
+            memo.get("engine") is not self or memo.get("layout") != cache.layout_version
+            or any(a is not b for a, b in zip(memo.get("parts", ()), parts))
+        ):  # fmt: skip
+            memo.clear()  # another engine (its rotary tables, its cache), a layout change, new rows
             if N > 1 and not bool((rows[1:] > rows[:-1]).all()):
                 raise PlanError("plan.slots must be strictly ascending")
             memo.update(
-                engine=self, layout=cache.layout_version, cos=self.cos[plan.positions][None],
+                engine=self, layout=cache.layout_version, parts=parts, cos=self.cos[plan.positions][None],
                 sin=self.sin[plan.positions][None], allowed_rows=cache.allowed[rows],
             )  # fmt: skip
         cos, sin = memo["cos"], memo["sin"]  # [1, N, D]
         hook = plan.prune
-        # Nothing but this plan wrote the cache since its last forward: the keys it gathered
-        # then are still current except its own rows (a flow policy's Euler steps).
-        clean = None if differentiable else memo.get("writes") == cache.writes
-        # ... and every layer computes the same rows with nothing dropped: the valid flags are
-        # still what its last forward left, so the per-layer checks of them are skipped.
-        same = bool(clean) and plan.layer_slots is None and not plan.drop and hook is None
+        # A plan run again (not differentiable) keeps the keys it gathers; they are current
+        # (but for its own rows) while nothing else wrote the cache since its last forward.
+        repeat = not differentiable and "writes" in memo
+        clean = repeat and memo["writes"] == cache.writes
+        # ... and when this forward and that one computed every row at every layer with nothing
+        # dropped, the valid flags are still what it left: their per-layer checks are skipped.
+        uniform = plan.layer_slots is None and not plan.drop and hook is None
+        same = clean and uniform and memo.get("uniform", False)
         Hq, Hkv, D = st.num_heads, st.num_kv_heads, st.head_dim
         taps = TapResult() if plan.taps is not None else None
         tap_layers = set(plan.taps.layers) if plan.taps is not None else set()
@@ -299,13 +305,14 @@ class Engine:
                 valid = cache.valid[l].clone()
                 valid[rows] = True
             else:
-                kern.write_kv(k_cache, v_cache, rows, k.to(k_cache.dtype), v.to(v_cache.dtype))
+                k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
+                kern.write_kv(k_cache, v_cache, rows, k, v)
                 if not same:
                     cache.valid[l, rows] = True
                 valid = cache.valid[l]
             o = self._attend(
                 l, q, k_cache, v_cache, valid, allowed_rows, rows, plan.taps if l in tap_layers else None, taps, memo,
-                (k, v, clean, same), getattr(attn.o_proj, "takes_bf16", False),
+                (k, v, repeat, clean, same), getattr(attn.o_proj, "takes_bf16", False),
             )  # fmt: skip
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))  # a bf16 o_proj's output is promoted exactly
             h = layer.post_attention_layernorm(x)
@@ -329,7 +336,7 @@ class Engine:
 
         if not differentiable:
             cache.writes += 1
-            memo["writes"] = cache.writes
+            memo["writes"], memo["uniform"] = cache.writes, uniform
         hidden = None
         if plan.output_slots is not None:
             sel = _rel_index(rows, plan.output_slots, "output_slots")
@@ -338,7 +345,7 @@ class Engine:
 
     def _attend(
         self, l, q, k_cache, v_cache, valid, allowed_rows, rows, tap: TapSpec | None, taps: TapResult | None, memo: dict,
-        new_kv: tuple[torch.Tensor, torch.Tensor, bool | None, bool], keep_low: bool = False,
+        new_kv: tuple[torch.Tensor, torch.Tensor, bool, bool, bool], keep_low: bool = False,
     ):  # fmt: skip
         """Attention of the computed rows over the keys their segments hold.  q: [B, Hq, n, D]
 
@@ -349,12 +356,13 @@ class Engine:
         valid keys (most of them), and the same layer when the plan runs again (a flow policy's
         Euler steps), reuse them instead of recomputing a dozen small ops each.
 
-        ``new_kv``: the rows' K/V just written ([B, Hkv, n, D]), whether the cache is ``clean``
-        for this plan (written by nothing else since its last forward; None: a differentiable
-        forward, which keeps nothing) and whether its valid flags are the ``same`` as then.
-        Gathered keys are kept per layer: when the plan runs again over the same valid keys
-        and nothing else wrote the cache, only the rows' own K/V are written into them instead
-        of gathering the window again (a pruned flow prefix: denoise 3% faster, same results).
+        ``new_kv``: the rows' K/V as written to the cache ([B, Hkv, n, D]), whether the plan
+        runs again (``repeat``: it keeps what it gathers), whether the cache is ``clean`` for it
+        (written by nothing else since its last forward) and whether its valid flags are the
+        ``same`` as then. Gathered keys are kept per layer: when the plan runs again over the
+        same valid keys and nothing else wrote the cache, only the rows' own K/V are written
+        into them instead of gathering the window again (a pruned flow prefix: denoise 3%
+        faster, same results).
 
         ``keep_low``: the output projection casts its input to bf16 anyway (``takes_bf16``), so
         a bf16 attention output is returned as it is instead of through fp32 and back (the
@@ -371,7 +379,7 @@ class Engine:
         for g, (idx, s0, s1) in enumerate(groups):
             window = valid[s0:s1]  # this layer's row of the cache's valid flags
             seen = memo.get((g, l))  # this layer, an earlier forward of the plan
-            if seen is None or not (new_kv[3] or torch.equal(seen[0], window)):
+            if seen is None or not (new_kv[4] or torch.equal(seen[0], window)):
                 seen = memo.get((g, None))  # the previous layer of this forward
                 if seen is None or not torch.equal(seen[0], window):
                     mask = (allowed_rows if idx is None else allowed_rows[idx])[:, s0:s1] & window  # [n_g, S']
@@ -399,18 +407,20 @@ class Engine:
     def _gathered(l, g, seen, keys, values, keep, rel_rows, idx, dt, memo: dict, new_kv):
         """The window's readable keys and values (``keep``), in the attention dtype ``dt``.
         keys / values: [B, Hkv, S', D] window views; rel_rows: the group's row slots within it."""
-        k_new, v_new, clean, _ = new_kv
-        kept = memo.get(("kv", g, l)) if clean else None
-        if kept is not None and kept[0] is seen:  # same valid keys, written only by this plan
+        k_new, v_new, repeat, clean, _ = new_kv
+        kept = memo.pop(("kv", g, l), None) if repeat else None
+        if clean and kept is not None and kept[0] is seen:  # same valid keys, written only by this plan
             _, kb, vb, pos = kept
             kb.index_copy_(2, pos, (k_new if idx is None else k_new[:, :, idx]).to(kb.dtype))
             vb.index_copy_(2, pos, (v_new if idx is None else v_new[:, :, idx]).to(vb.dtype))
-            return kb, vb
-        kb, vb = keys.index_select(2, keep).to(dt), values.index_select(2, keep).to(dt)
-        if clean:  # a plan that runs again (kept from its second forward on: one-off plans pay nothing)
+        else:
+            kb, vb = keys.index_select(2, keep).to(dt), values.index_select(2, keep).to(dt)
+            if not repeat:  # a plan's first forward keeps nothing: one-off plans pay nothing
+                return kb, vb
             pos = torch.searchsorted(keep, rel_rows)
-            if bool((pos < keep.numel()).all()) and torch.equal(keep[pos.clamp_max(keep.numel() - 1)], rel_rows):
-                memo[("kv", g, l)] = (seen, kb, vb, pos)
+            if not (bool((pos < keep.numel()).all()) and torch.equal(keep[pos.clamp_max(keep.numel() - 1)], rel_rows)):
+                return kb, vb
+        memo[("kv", g, l)] = (seen, kb, vb, pos)
         return kb, vb
 
     def _segment_groups(self, rows: torch.Tensor) -> list[tuple[torch.Tensor | None, int, int]]:
