@@ -546,6 +546,37 @@ def test_a_recorder_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
     assert (tmp_path / "bag" / "metadata.yaml").is_file()  # closed in order
 
 
+def test_a_recorder_hands_itself_over_before_its_constructor_returns(ros_context, tmp_path):
+    """The record command holds the node from ``on_built`` on, so a Ctrl-C between the
+    constructor's return and the assignment still leaves it a node to close (before, the bag
+    stayed open without metadata). An interrupt right after the hand-over: the constructor
+    closes the bag, and the caller's close of the node it holds is harmless."""
+    from rclpy.parameter import Parameter
+
+    from vla_accel_ros.ros.recorder import RecorderNode
+
+    out = tmp_path / "bag"
+    overrides = [Parameter("out", value=str(out)), Parameter("topics", value=["/a"])]
+    built = []
+    node = RecorderNode(context=ros_context, parameter_overrides=overrides, on_built=built.append)
+    assert built == [node]
+    node.close()
+    node.destroy_node()
+    assert (out / "metadata.yaml").is_file()
+
+    def interrupted(n):
+        built.append(n)
+        raise KeyboardInterrupt
+
+    out2 = tmp_path / "bag2"
+    overrides = [Parameter("out", value=str(out2)), Parameter("topics", value=["/a"])]
+    with pytest.raises(KeyboardInterrupt):
+        RecorderNode(context=ros_context, parameter_overrides=overrides, on_built=interrupted)
+    assert (out2 / "metadata.yaml").is_file()
+    built[-1].close()  # what the command's cleanup does with the node it holds
+    built[-1].destroy_node()
+
+
 def test_a_recorder_interrupted_while_it_is_built_closes_its_bag(ros_context, tmp_path):
     """A Ctrl-C that lands after the bag is opened but before the node exists leaves the caller
     nothing to close: the constructor closes the bag itself (metadata written, no message)."""

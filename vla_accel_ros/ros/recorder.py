@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from collections import Counter
 from dataclasses import dataclass
 from functools import partial
@@ -72,7 +73,9 @@ def _message_class(msgtype: str):
 
 
 class RecorderNode(Node):
-    def __init__(self, node_name: str = "vla_recorder", **kwargs) -> None:
+    def __init__(self, node_name: str = "vla_recorder", *, on_built: Callable[[RecorderNode], None] | None = None, **kwargs) -> None:
+        """``on_built``: called with the finished node before the constructor returns, so a
+        caller holds it (to close its bag) even if a Ctrl-C lands before the assignment."""
         super().__init__(node_name, **kwargs)
         self.params = ConfigParameters(self, RecorderConfig)
         cfg: RecorderConfig = self.params.config
@@ -107,6 +110,8 @@ class RecorderNode(Node):
             wall = Clock(clock_type=ClockType.STEADY_TIME)  # discovery must not wait for sim time
             self.create_timer(cfg.discovery_period_s, self._discover, callback_group=MutuallyExclusiveCallbackGroup(), clock=wall)
             self.get_logger().info(f"recording {len(self.wanted)} topics to {cfg.out} ({cfg.storage})")
+            if on_built is not None:
+                on_built(self)
         except BaseException:
             self.writer.close()
             raise
