@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -190,6 +190,16 @@ def _rel_index(superset: torch.Tensor, subset: torch.Tensor, what: str) -> torch
     return idx
 
 
+class _Written(NamedTuple):
+    """A layer's rows as written to the cache, and what the plan memo may keep of them."""
+
+    k: torch.Tensor  # [B, Hkv, n, D], the cache's dtype
+    v: torch.Tensor
+    repeat: bool  # the plan ran before: it keeps the keys it gathers
+    clean: bool  # nothing else wrote the cache since its last forward
+    same: bool  # ... and the valid flags are those it left
+
+
 class Engine:
     """Drives a :class:`DecoderStack` over a :class:`KVCache` (one per sequence context)."""
 
@@ -312,7 +322,7 @@ class Engine:
                 valid = cache.valid[l]
             o = self._attend(
                 l, q, k_cache, v_cache, valid, allowed_rows, rows, plan.taps if l in tap_layers else None, taps, memo,
-                (k, v, repeat, clean, same), getattr(attn.o_proj, "takes_bf16", False),
+                _Written(k, v, repeat, clean, same), getattr(attn.o_proj, "takes_bf16", False),
             )  # fmt: skip
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))  # a bf16 o_proj's output is promoted exactly
             h = layer.post_attention_layernorm(x)
@@ -345,7 +355,7 @@ class Engine:
 
     def _attend(
         self, l, q, k_cache, v_cache, valid, allowed_rows, rows, tap: TapSpec | None, taps: TapResult | None, memo: dict,
-        new_kv: tuple[torch.Tensor, torch.Tensor, bool, bool, bool], keep_low: bool = False,
+        new_kv: _Written, keep_low: bool = False,
     ):  # fmt: skip
         """Attention of the computed rows over the keys their segments hold.  q: [B, Hq, n, D]
 
@@ -356,10 +366,7 @@ class Engine:
         valid keys (most of them), and the same layer when the plan runs again (a flow policy's
         Euler steps), reuse them instead of recomputing a dozen small ops each.
 
-        ``new_kv``: the rows' K/V as written to the cache ([B, Hkv, n, D]), whether the plan
-        runs again (``repeat``: it keeps what it gathers), whether the cache is ``clean`` for it
-        (written by nothing else since its last forward) and whether its valid flags are the
-        ``same`` as then. Gathered keys are kept per layer: when the plan runs again over the
+        ``new_kv``: the rows' K/V as written to the cache and what the memo may keep. Gathered keys are kept per layer: when the plan runs again over the
         same valid keys and nothing else wrote the cache, only the rows' own K/V are written
         into them instead of gathering the window again (a pruned flow prefix: denoise 3%
         faster, same results).
@@ -379,7 +386,7 @@ class Engine:
         for g, (idx, s0, s1) in enumerate(groups):
             window = valid[s0:s1]  # this layer's row of the cache's valid flags
             seen = memo.get((g, l))  # this layer, an earlier forward of the plan
-            if seen is None or not (new_kv[4] or torch.equal(seen[0], window)):
+            if seen is None or not (new_kv.same or torch.equal(seen[0], window)):
                 seen = memo.get((g, None))  # the previous layer of this forward
                 if seen is None or not torch.equal(seen[0], window):
                     mask = (allowed_rows if idx is None else allowed_rows[idx])[:, s0:s1] & window  # [n_g, S']
@@ -394,8 +401,7 @@ class Engine:
                 self._tap(l, qg, keys, mask, rows if idx is None else rows[idx], tap, taps, s0)
             dt = low or q.dtype
             if keep is not None:
-                rel = (rows if idx is None else rows[idx]) - s0
-                keys, values = self._gathered(l, g, seen, keys, values, keep, rel, idx, dt, memo, new_kv)
+                keys, values = self._gathered(l, g, seen, keys, values, keep, rows, idx, s0, dt, memo, new_kv)
                 mask = kept_mask
             o = kern.attend(qg.to(dt), keys.to(dt), values.to(dt), mask, scale).to(out_dtype)  # [B, Hq, n_g, D]
             if out is None:
@@ -404,19 +410,21 @@ class Engine:
         return out
 
     @staticmethod
-    def _gathered(l, g, seen, keys, values, keep, rel_rows, idx, dt, memo: dict, new_kv):
+    def _gathered(l, g, seen, keys, values, keep, rows, idx, s0, dt, memo: dict, new_kv: _Written):
         """The window's readable keys and values (``keep``), in the attention dtype ``dt``.
-        keys / values: [B, Hkv, S', D] window views; rel_rows: the group's row slots within it."""
-        k_new, v_new, repeat, clean, _ = new_kv
-        kept = memo.pop(("kv", g, l), None) if repeat else None
-        if clean and kept is not None and kept[0] is seen:  # same valid keys, written only by this plan
+        keys / values: [B, Hkv, S', D] window views starting at slot ``s0``; the group's rows
+        are ``rows`` (or ``rows[idx]``)."""
+        kept = memo.pop(("kv", g, l), None) if new_kv.repeat else None
+        if new_kv.clean and kept is not None and kept[0] is seen:  # same valid keys, written only by this plan
             _, kb, vb, pos = kept
-            kb.index_copy_(2, pos, (k_new if idx is None else k_new[:, :, idx]).to(kb.dtype))
-            vb.index_copy_(2, pos, (v_new if idx is None else v_new[:, :, idx]).to(vb.dtype))
+            k_new, v_new = (new_kv.k, new_kv.v) if idx is None else (new_kv.k[:, :, idx], new_kv.v[:, :, idx])
+            kb.index_copy_(2, pos, k_new.to(kb.dtype))
+            vb.index_copy_(2, pos, v_new.to(vb.dtype))
         else:
             kb, vb = keys.index_select(2, keep).to(dt), values.index_select(2, keep).to(dt)
-            if not repeat:  # a plan's first forward keeps nothing: one-off plans pay nothing
+            if not new_kv.repeat:  # a plan's first forward keeps nothing: one-off plans pay nothing
                 return kb, vb
+            rel_rows = (rows if idx is None else rows[idx]) - s0
             pos = torch.searchsorted(keep, rel_rows)
             if not (bool((pos < keep.numel()).all()) and torch.equal(keep[pos.clamp_max(keep.numel() - 1)], rel_rows)):
                 return kb, vb
