@@ -8,10 +8,12 @@ The engine calls exactly two operators on its hot path:
   encodes causality, bidirectional blocks, segments of a packed forward and dropped
   tokens (packed multi-segment attention).
 
-:mod:`.reference` implements both with stock PyTorch and is what runs on CPU. A GPU
-implementation (a fused RoPE + KV write, varlen flash attention over segments) registers
-itself with :func:`register`; its import is guarded so a missing toolchain never breaks the
-package, and the reference stays the fallback.
+:mod:`.reference` implements both with stock PyTorch and is what runs on CPU. GPU kernels
+register themselves with :func:`register`; the package never imports them, so a missing
+toolchain never breaks it, and the reference stays the fallback. :mod:`.triton_ops` holds
+Triton kernels for both (a RoPE-applying KV write, block-sparse flash attention over packed
+segments) that have run only in Triton's CPU interpreter: opt in with
+``triton_ops.register()``.
 
 :mod:`.ops` registers the same two operators as torch.library custom ops
 (``torch.ops.vla_accel.write_kv`` / ``attend``, with fake implementations) for the compiled and
@@ -77,10 +79,5 @@ def get_kernels(device: torch.device | str = "cpu", prefer: str = "auto") -> Ker
 
 from . import reference as _reference  # noqa: E402  (registers itself)
 from . import ops  # noqa: E402,F401  (torch.ops.vla_accel.*)
-
-try:  # The drop-in point for GPU kernels (kernels/cuda.py); optional by design.
-    from . import cuda as _cuda  # noqa: E402,F401
-except ImportError:
-    pass
 
 __all__ = ["KernelSet", "available", "get_kernels", "register"]
