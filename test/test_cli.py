@@ -40,6 +40,8 @@ def test_arguments_are_checked_before_any_work(tmp_path, tiny_bundles):
         (("bench", "engine", "--bundle", flow, "--json", str(tmp_path / "missing" / "r.json")), "does not exist"),
         (("demo", "--modes", "nope", "--workdir", str(tmp_path / "demo")), "unknown mode 'nope'"),
         (("demo", "--modes", ",", "--workdir", str(tmp_path / "demo")), "names no mode"),
+        (("replay", str(tmp_path / "bag"), "--bundle", flow, "--report", str(tmp_path / "r"), "--sync", "cameras=cam_low"),
+         "the cameras come from the bundle"),
     ):
         out = _run(*args)
         assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, (args, out.stderr[-2000:])

@@ -185,6 +185,11 @@ class ReplayConfig:
         if self.pipeline_steps < 0 or self.pipeline_depth < 0:
             raise ConfigError(f"--pipeline-steps / --pipeline-depth must be >= 0, got {self.pipeline_steps} / {self.pipeline_depth}")
         parse_modes(list(self.modes))
+        if "cameras" in self.sync_overrides:
+            raise ConfigError(
+                f"--sync cameras={self.sync_overrides['cameras']!r}: the cameras come from the bundle "
+                "(its config.json), a replay cannot choose them"
+            )
 
 
 # ------------------------------------------------------------------------------ inputs

@@ -19,7 +19,7 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=3, help="frames processed but not timed")
     p.add_argument(
         "--presets", default="default,max-reuse",
-        help="comma-separated cache configurations to run side by side: default, max-reuse, public-code, entropy",
+        help="comma-separated cache configurations to run side by side: default, max-reuse, public-code, entropy, paper-rule",
     )  # fmt: skip
     p.add_argument(
         "--cache", action="append", default=[], metavar="FIELD=VALUE",

@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: bundles, sim bag, replay benchmark, closed loop")
     p.add_argument(
         "--size", choices=("trained", "tiny", "small"), default="trained",
-        help="trained: the shipped models/transfer_cube-{ar,flow}; tiny / small: random-weight demo bundles",
+        help="trained: the shipped models/transfer_cube-{ar,flow,ar-reasoning}; tiny / small: random-weight demo bundles",
     )  # fmt: skip
     p.add_argument("--workdir", type=Path, default=Path("artifacts"), help="where bundles, bags and reports go")
     p.add_argument("--steps", type=int, default=40, help="simulated steps in the demo bag (50 Hz)")

@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--modes", default="baseline,cache",
         help="comma-separated modes run side by side (baseline is added when missing): baseline, transformers, "
-        "cache, cache-<preset> for the presets of `bench cache` (max-reuse, public-code, entropy), prune, "
+        "cache, cache-<preset> for the presets of `bench cache` (max-reuse, public-code, entropy, paper-rule), prune, "
         "cache+prune, ...; a suffix @<precision>[+compile] runs a mode at a precision preset (fp32, bf16, int8, hybrid, "
         "auto) and/or compiled, e.g. baseline@int8, cache+prune@auto+compile, baseline@compile",
     )  # fmt: skip
@@ -40,8 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--sync", action="append", default=[], metavar="FIELD=VALUE",
-        help="override a limit of the observation rule (SyncConfig: max_age_ms, max_skew_ms, max_state_age_ms, "
-        "image_size; default: the camera and policy nodes' values), e.g. --sync max_skew_ms=100",
+        help="override a limit of the observation rule (SyncConfig: max_age_ms, max_skew_ms, max_future_ms, "
+        "max_state_age_ms, image_size; default: the camera and policy nodes' values; the cameras are the bundle's), "
+        "e.g. --sync max_skew_ms=100",
     )  # fmt: skip
     p.add_argument(
         "--precision", action="append", default=[], metavar="FIELD=VALUE",
