@@ -2,7 +2,8 @@
 
 No GPU was available while these were written: they have run only in Triton's CPU interpreter
 (``TRITON_INTERPRET=1``), where the tests check them against the PyTorch reference
-(:mod:`.reference`). They have never been compiled for a GPU, nor timed. So nothing uses them
+(:mod:`.reference`), and Triton compiles them ahead of time for sm_80 / sm_90 down to a cubin
+(tested; no GPU needed). They have never run on a GPU, nor been timed. So nothing uses them
 unless asked: :func:`register` (on a machine with CUDA) makes them the ``triton`` kernel set,
 which ``kernels.get_kernels("cuda")`` then picks, and the CUDA kernels of the
 ``vla_accel::write_kv`` / ``vla_accel::attend`` custom ops (compiled and exported step graphs);

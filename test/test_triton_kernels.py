@@ -1,6 +1,8 @@
 """The Triton kernels for CUDA devices (kernels/triton_ops.py, opt-in with its register()).
 No GPU here: they run in Triton's CPU interpreter against the PyTorch reference
-(test/triton_interpreted.py, in a process of its own); they have never run on a GPU."""
+(test/triton_interpreted.py, in a process of its own), and Triton compiles them ahead of time
+for Ampere and Hopper down to a cubin (its bundled ptxas needs no GPU); they have never run
+on a GPU."""
 
 from __future__ import annotations
 
@@ -35,3 +37,34 @@ def test_the_triton_kernels_match_the_reference_in_the_interpreter():
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout and "deselected" not in run.stdout
+
+
+def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
+    return {
+        name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name == "scale" else "i32")
+        for name in kernel.arg_names
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_triton_kernels_compile_for_the_gpu_ahead_of_time(arch, dtype):
+    """Triton's whole pipeline (TTIR, TTGIR, LLVM IR, PTX, ptxas to a cubin) for sm_80 / sm_90,
+    for the shapes the engine uses: what compiles here is what a GPU would load. Not run."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vla_accel_ros.kernels import triton_ops
+
+    target = GPUTarget("cuda", arch, 32)
+    p = f"*{dtype}"
+    write = {"k_cache": p, "v_cache": p, "slots": "*i64", "k": p, "v": p, "cos": "*fp32", "sin": "*fp32"}
+    for rope in (False, True):
+        const = {"D": 64, "HALF": 32, "ROPE": rope}
+        src = ASTSource(fn=triton_ops._write_kv_kernel, signature=_signature(triton_ops._write_kv_kernel, write, const), constexprs=const)
+        assert triton.compile(src, target=target).asm["cubin"]
+    attend = {"q": p, "k": p, "v": p, "mask": "*i8", "lo_hi": "*i32", "o": p}
+    const = {"D": 64, "BLOCK_D": 64, "BLOCK_M": 32, "BLOCK_N": 32, "PRECISION": "ieee" if dtype == "fp32" else "tf32", "WIDEN": False}
+    compiled = triton.compile(ASTSource(fn=triton_ops._attend_kernel, signature=_signature(triton_ops._attend_kernel, attend, const), constexprs=const), target=target)
+    assert compiled.asm["cubin"] and f"sm_{arch}" in compiled.asm["ptx"]
