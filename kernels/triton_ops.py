@@ -21,6 +21,7 @@ which ``kernels.get_kernels("cuda")`` then picks, and the CUDA kernels of the
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -68,10 +69,16 @@ def _write_kv_kernel(
 def write_kv(k_cache, v_cache, slots, k, v, cos=None, sin=None) -> None:
     """``k_cache[:, :, slots] = rope(k)`` (or ``k`` without cos / sin) and ``v_cache[:, :, slots]
     = v``, cast to the cache dtype, in place.  k_cache / v_cache: [B, Hkv, S, D]; slots: [n]
-    int64; k / v: [B, Hkv, n, D] (any strides, last dim contiguous); cos / sin: [n, D]."""
+    int64 in [0, S) (not checked: that would wait for the GPU; the engine's plans keep it);
+    k / v: [B, Hkv, n, D] (any strides); cos / sin: [n, D]."""
     B, Hkv, n, D = k.shape
     if D % 2:
         raise ValueError(f"head dim {D} must be even")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or c.shape[:2] != (B, Hkv) or c.shape[3] != D or c.stride(-1) != 1:
+            raise ValueError(f"{name} {tuple(c.shape)} does not hold rows {tuple(k.shape)} (or its last dim is strided)")
+    if v.shape != k.shape or slots.shape != (n,):
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} and slots {tuple(slots.shape)} disagree")
     if n == 0:
         return
     k, v = _last_contiguous(k), _last_contiguous(v)
@@ -80,11 +87,12 @@ def write_kv(k_cache, v_cache, slots, k, v, cos=None, sin=None) -> None:
         cos, sin = cos.reshape(n, D).float().contiguous(), sin.reshape(n, D).float().contiguous()
     else:
         cos = sin = k  # unused (ROPE is a compile-time switch)
-    _write_kv_kernel[(n, B * Hkv)](
-        k_cache, v_cache, slots.contiguous(), k, v, cos, sin,
-        *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        D if rope else 0, Hkv, D=D, HALF=triton.next_power_of_2(D // 2), ROPE=rope,
-    )  # fmt: skip
+    with _on(k.device):
+        _write_kv_kernel[(n, B * Hkv)](
+            k_cache, v_cache, slots.contiguous(), k, v, cos, sin,
+            *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            D if rope else 0, Hkv, D=D, HALF=triton.next_power_of_2(D // 2), ROPE=rope,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -148,31 +156,50 @@ def key_ranges(mask: torch.Tensor, block_m: int) -> torch.Tensor:
     return torch.stack([lo, hi], 1).to(torch.int32).contiguous()
 
 
-def attend(q, k, v, mask, scale, *, block_m: int = 32, block_n: int = 32) -> torch.Tensor:
+def attend_config(dtype: torch.dtype, head_dim: int) -> dict:
+    """Block sizes and pipeline depth of :func:`attend` for a dtype and head dim: 32 x 32 tiles
+    in 3 stages, or 32 x 16 in 2 where fp32 rows are long (head dim 256: 168 KB of shared memory
+    in 3 stages, more than Ampere allows a block; 68 KB so), keeping every configuration under
+    the ~99 KB that sm_86 / sm_89 allow (checked by the compile test)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    long_rows = torch.empty((), dtype=dtype).element_size() * block_d > 512
+    return {"BLOCK_D": block_d, "BLOCK_M": 32, "BLOCK_N": 16 if long_rows else 32, "num_stages": 2 if long_rows else 3}
+
+
+def attend(q, k, v, mask, scale) -> torch.Tensor:
     """Attention of the query rows over the keys their mask row allows.  q: [B, Hq, n, D];
     k / v: [B, Hkv, S, D]; mask: [n, S] bool -> [B, Hq, n, D] in q's dtype (a row whose mask
-    allows no key gets zeros)."""
+    allows no key gets zeros, as the reference gives)."""
     B, Hq, n, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads do not group over {Hkv} kv heads")
     if mask.shape != (n, S):
         raise ValueError(f"mask is {tuple(mask.shape)}, expected ({n}, {S})")
+    if k.shape[-1] != D or v.shape[-1] != D:
+        raise ValueError(f"head dims differ: q {D}, k {k.shape[-1]}, v {v.shape[-1]}")
+    if n == 0 or S == 0:
+        return torch.zeros(B, Hq, n, D, dtype=q.dtype, device=q.device)
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     o = torch.empty(B, Hq, n, D, dtype=q.dtype, device=q.device)
-    if n == 0:
-        return o
+    cfg = attend_config(q.dtype, D)
     m = mask.to(torch.int8).contiguous()
-    ranges = key_ranges(mask, block_m)
-    _attend_kernel[(ranges.shape[0], B * Hq)](
-        q, k, v, m, ranges, o,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], m.stride(0), *o.stride()[:3],
-        n, Hq, Hq // Hkv, float(scale),
-        D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (no TF32 rounding)
-        WIDEN=q.dtype != torch.float32 and _INTERPRETED,
-    )  # fmt: skip
+    ranges = key_ranges(mask, cfg["BLOCK_M"])
+    with _on(q.device):
+        _attend_kernel[(ranges.shape[0], B * Hq)](
+            q, k, v, m, ranges, o,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], m.stride(0), *o.stride()[:3],
+            n, Hq, Hq // Hkv, float(scale),
+            D=D, **cfg,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (no TF32 rounding)
+            WIDEN=q.dtype != torch.float32 and _INTERPRETED,
+        )  # fmt: skip
     return o
+
+
+def _on(device: torch.device):
+    # Triton launches on the current CUDA device, not the tensors': make it theirs.
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:

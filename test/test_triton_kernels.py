@@ -47,10 +47,12 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, 
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_triton_kernels_compile_for_the_gpu_ahead_of_time(arch, dtype):
     """Triton's whole pipeline (TTIR, TTGIR, LLVM IR, PTX, ptxas to a cubin) for sm_80 / sm_90,
-    for the shapes the engine uses: what compiles here is what a GPU would load. Not run."""
+    at the launch configuration the wrappers pick, for head dims 64, 128 and 256: what compiles
+    here is what a GPU would load, and it fits the ~99 KB of shared memory a block gets on
+    sm_86 / sm_89 (the smallest of these GPUs). Not run."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,13 +60,18 @@ def test_the_triton_kernels_compile_for_the_gpu_ahead_of_time(arch, dtype):
     from vla_accel_ros.kernels import triton_ops
 
     target = GPUTarget("cuda", arch, 32)
-    p = f"*{dtype}"
+    p = "*fp32" if dtype == torch.float32 else "*bf16"
     write = {"k_cache": p, "v_cache": p, "slots": "*i64", "k": p, "v": p, "cos": "*fp32", "sin": "*fp32"}
     for rope in (False, True):
         const = {"D": 64, "HALF": 32, "ROPE": rope}
         src = ASTSource(fn=triton_ops._write_kv_kernel, signature=_signature(triton_ops._write_kv_kernel, write, const), constexprs=const)
         assert triton.compile(src, target=target).asm["cubin"]
     attend = {"q": p, "k": p, "v": p, "mask": "*i8", "lo_hi": "*i32", "o": p}
-    const = {"D": 64, "BLOCK_D": 64, "BLOCK_M": 32, "BLOCK_N": 32, "PRECISION": "ieee" if dtype == "fp32" else "tf32", "WIDEN": False}
-    compiled = triton.compile(ASTSource(fn=triton_ops._attend_kernel, signature=_signature(triton_ops._attend_kernel, attend, const), constexprs=const), target=target)
-    assert compiled.asm["cubin"] and f"sm_{arch}" in compiled.asm["ptx"]
+    for head_dim in (64, 128, 256):
+        cfg = triton_ops.attend_config(dtype, head_dim)
+        stages = cfg.pop("num_stages")
+        const = {"D": head_dim, **cfg, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "WIDEN": False}
+        src = ASTSource(fn=triton_ops._attend_kernel, signature=_signature(triton_ops._attend_kernel, attend, const), constexprs=const)
+        compiled = triton.compile(src, target=target, options={"num_stages": stages})
+        assert compiled.asm["cubin"] and f"sm_{arch}" in compiled.asm["ptx"]
+        assert compiled.metadata.shared <= 99 * 1024, (head_dim, compiled.metadata.shared)

@@ -114,6 +114,28 @@ def test_attend_visits_only_the_keys_a_block_of_rows_may_read(T):
     assert T.key_ranges(none, 8).tolist() == [[0, 0]]
     q, k = torch.randn(1, 2, 3, 16), torch.randn(1, 2, S, 16)
     assert torch.equal(T.attend(q, k, k, none, 0.25), torch.zeros(1, 2, 3, 16))
+    # no keys at all (an empty window): zeros too, as the reference gives
+    empty = torch.zeros(1, 2, 0, 16)
+    assert torch.equal(T.attend(q, empty, empty, torch.zeros(3, 0, dtype=torch.bool), 0.25), torch.zeros(1, 2, 3, 16))
+    assert torch.equal(R.attend(q, empty, empty, torch.zeros(3, 0, dtype=torch.bool), 0.25), torch.zeros(1, 2, 3, 16))
+
+
+def test_attend_with_long_fp32_rows_takes_the_smaller_tiles(T):
+    """Head dim 256 in fp32 runs 32 x 16 tiles (the shared memory of 32 x 32 in 3 stages is
+    more than Ampere gives a block): the same results."""
+    assert T.attend_config(torch.float32, 256)["BLOCK_N"] == 16 and T.attend_config(torch.bfloat16, 256)["BLOCK_N"] == 32
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 2, 20, 256), torch.randn(1, 1, 40, 256), torch.randn(1, 1, 40, 256)
+    mask = torch.ones(20, 40, dtype=torch.bool).tril(20)
+    assert (T.attend(q, k, v, mask, 0.06) - R.attend(q, k, v, mask, 0.06)).abs().max() <= 1e-5
+
+
+def test_write_kv_refuses_a_cache_that_cannot_hold_the_rows(T):
+    k = torch.randn(1, 2, 3, 16)
+    with pytest.raises(ValueError, match="does not hold rows"):
+        T.write_kv(torch.zeros(1, 2, 10, 8), torch.zeros(1, 2, 10, 16), torch.tensor([0, 1, 2]), k, k)
+    with pytest.raises(ValueError, match="disagree"):
+        T.write_kv(torch.zeros(1, 2, 10, 16), torch.zeros(1, 2, 10, 16), torch.tensor([0, 1]), k, k)
 
 
 def _decoder():
