@@ -24,7 +24,7 @@ help:
 	@echo "make test-slow  also run the tests marked slow"
 	@echo "make demo       the main job: demo bundles, replay benchmark, closed loop"
 
-setup: $(STAMPS)/package
+setup: $(STAMPS)/package $(STAMPS)/triton
 
 $(STAMPS)/venv:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ $(STAMPS)/system: | $(STAMPS)/venv
 
 $(STAMPS)/deps: $(STAMPS)/system requirements.txt requirements-ros.txt requirements-sim.txt requirements-dev.txt $(STAMPS)/venv
 	$(BIN)/pip install -q -r requirements.txt -r requirements-ros.txt -r requirements-sim.txt -r requirements-dev.txt
+	touch $@
+
+# Triton for the GPU kernels' tests only, outside site-packages (see requirements-triton.txt).
+$(STAMPS)/triton: requirements-triton.txt $(STAMPS)/venv
+	rm -rf $(VENV)/triton
+	$(BIN)/pip install -q --no-deps --target $(VENV)/triton -r requirements-triton.txt
 	touch $@
 
 # The real rosidl pipeline, configured against the venv as the ament prefix.
