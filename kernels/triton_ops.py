@@ -210,14 +210,8 @@ class TritonKernels:
     """The :class:`~vla_accel_ros.kernels.KernelSet` of these kernels (CUDA tensors)."""
 
     name = "triton"
-
-    @staticmethod
-    def write_kv(k_cache, v_cache, slots, k, v) -> None:
-        write_kv(k_cache, v_cache, slots, k, v)
-
-    @staticmethod
-    def attend(q, k, v, mask, scale) -> torch.Tensor:
-        return attend(q, k, v, mask, scale)
+    write_kv = staticmethod(write_kv)
+    attend = staticmethod(attend)
 
 
 def register() -> None:
@@ -230,4 +224,4 @@ def register() -> None:
 
     register_set("triton", TritonKernels, lambda device: device.type == "cuda")
     ops.write_kv.register_kernel("cuda")(lambda k_cache, v_cache, slots, k, v: write_kv(k_cache, v_cache, slots, k, v))
-    ops.attend.register_kernel("cuda")(lambda q, k, v, mask, scale: attend(q, k, v, mask, scale))
+    ops.attend.register_kernel("cuda")(attend)

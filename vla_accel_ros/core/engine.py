@@ -366,10 +366,10 @@ class Engine:
         valid keys (most of them), and the same layer when the plan runs again (a flow policy's
         Euler steps), reuse them instead of recomputing a dozen small ops each.
 
-        ``new_kv``: the rows' K/V as written to the cache and what the memo may keep. Gathered keys are kept per layer: when the plan runs again over the
-        same valid keys and nothing else wrote the cache, only the rows' own K/V are written
-        into them instead of gathering the window again (a pruned flow prefix: denoise 3%
-        faster, same results).
+        ``new_kv``: the rows' K/V as written to the cache and what the memo may keep. Gathered
+        keys are kept per layer: when the plan runs again over the same valid keys and nothing
+        else wrote the cache, only the rows' own K/V are written into them instead of gathering
+        the window again (a pruned flow prefix: denoise 3% faster, same results).
 
         ``keep_low``: the output projection casts its input to bf16 anyway (``takes_bf16``), so
         a bf16 attention output is returned as it is instead of through fp32 and back (the

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
