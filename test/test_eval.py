@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vla_accel_ros.bench.eval import wilson_interval
+from vla_accel_ros.bench.outcomes import mcnemar_exact, paired_vs_baseline, stage_summary, wilson_interval
 from vla_accel_ros.cli import main
 
 
@@ -17,6 +17,59 @@ def test_wilson_interval():
     assert hi == 1.0 and 0.83 < lo < 0.85
     lo, hi = wilson_interval(10, 20)
     assert lo < 0.5 < hi and abs((lo + hi) / 2 - 0.5) < 1e-9
+
+
+def _episodes(grades, seed0=100):
+    return [{"seed": seed0 + i, "success": g >= 4, "max_reward": float(g)} for i, g in enumerate(grades)]
+
+
+def test_stages_reached_and_paired_comparison():
+    base = _episodes([0, 1, 2, 4, 4, 3, 0, 1])
+    mode = _episodes([1, 0, 2, 4, 2, 3, 0, 0])
+    stages = stage_summary([e["max_reward"] for e in base], "transfer_cube")
+    assert [(s["name"], s["reached"]) for s in stages] == [
+        ("touched", 6), ("lifted", 4), ("transfer attempted", 3), ("transferred", 2)
+    ]  # fmt: skip
+    assert stages[0]["rate"] == 0.75 and list(wilson_interval(6, 8)) == stages[0]["ci95"]
+    p = paired_vs_baseline(base, mode, "transfer_cube")
+    assert p["seeds"] == 8
+    touched = p["stages"][0]  # seed 100 only the mode, 101 and 107 only the baseline
+    assert (touched["both"], touched["baseline_only"], touched["mode_only"]) == (4, 2, 1)
+    assert p["success"] == {"both": 1, "baseline_only": 1, "mode_only": 0, "p_value": 1.0}
+    assert p["reward"] == {"higher": 1, "lower": 3, "equal": 4, "p_value": mcnemar_exact(1, 3)}
+    # only seeds both modes ran are paired
+    assert paired_vs_baseline(base, mode[:3], "transfer_cube")["seeds"] == 3
+    with pytest.raises(ValueError, match="no stages for task"):
+        stage_summary([1.0], "stacking")
+
+
+def test_mcnemar_exact_p_values():
+    assert mcnemar_exact(0, 0) == 1.0
+    assert abs(mcnemar_exact(1, 11) - 26 / 4096) < 1e-12  # 2 * P(X <= 1), X ~ Bin(12, 1/2)
+    assert mcnemar_exact(11, 1) == mcnemar_exact(1, 11)
+    assert mcnemar_exact(3, 3) == 1.0
+    with pytest.raises(ValueError):
+        mcnemar_exact(-1, 2)
+
+
+def test_bench_outcomes_reads_an_older_report(tmp_path, capsys):
+    """`vla-accel bench outcomes` derives the stages and the pairing from per_episode records,
+    so reports written before those fields existed get them too."""
+    old = {"task": "transfer_cube", "mode_order": ["baseline", "prune"], "modes": {
+        "baseline": {"per_episode": _episodes([0, 1, 1, 4])}, "prune": {"per_episode": _episodes([0, 0, 1, 4])}}}
+    (tmp_path / "report.json").write_text(json.dumps(old))
+    out = tmp_path / "with.json"
+    assert main(["bench", "outcomes", str(tmp_path), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "touched" in text and "1 / 0 (p=1.00)" in text
+    result = json.loads(out.read_text())
+    assert result["modes"]["prune"]["stages"][0]["reached"] == 2
+    assert result["modes"]["prune"]["paired_vs_baseline"]["stages"][0]["baseline_only"] == 1
+    assert "stages" not in old["modes"]["prune"]  # the input is left as it was
+    del old["modes"]["baseline"]
+    (tmp_path / "report.json").write_text(json.dumps(old))
+    assert main(["bench", "outcomes", str(tmp_path)]) == 2
+    assert "no 'baseline' mode" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", ["flow", "ar"])
@@ -40,7 +93,13 @@ def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
         assert 0.0 <= lo <= m["success_rate"] <= hi <= 1.0
         assert m["latency_ms"]["p50"] > 0 and m["inferences_per_episode"] >= 1
         assert m["open_loop_error"]["mean_abs_rad"] > 0 and m["open_loop_error"]["chunks"] == 2
+        assert [s["stage"] for s in m["stages"]] == [1, 2, 3, 4]
+        assert m["stages"][-1]["reached"] == m["successes"]  # the last stage is success
+        if mode != "baseline":
+            assert m["paired_vs_baseline"]["seeds"] == 1
+    assert "paired_vs_baseline" not in report["modes"]["baseline"]
     assert (out / "report.md").is_file() and (out / "success.png").is_file()
+    assert "Task stages reached" in (out / "report.md").read_text()
 
 
 # -- through the ROS graph (--through-ros): real nodes over DDS, the real simulator ---------------

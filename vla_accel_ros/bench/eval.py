@@ -24,7 +24,6 @@ held-out demonstrations (expert trajectories for the first evaluation seeds), ev
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from vla_accel_ros.bench.outcomes import paired_vs_baseline, stage_summary, wilson_interval
 from vla_accel_ros.bench.reasoning import reasoning_summary, truth_words
 from vla_accel_ros.bench.replay import BASELINE, build_runs, machine_info, parse_modes
 from vla_accel_ros.bench.stats import distribution
@@ -93,17 +93,6 @@ class EvalConfig:
         if self.through_ros:
             for name in names:
                 graph_params(name, self)  # ConfigError: a mode the graph cannot run
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval of a success rate (sensible at 0/n and n/n, unlike Wald's)."""
-    if n <= 0:
-        return (0.0, 1.0)
-    p = successes / n
-    den = 1.0 + z * z / n
-    center = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (max(0.0, center - half), min(1.0, center + half))
 
 
 # ---------------------------------------------------------------------------------- the graph
@@ -484,10 +473,12 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
                 ok = sum(x.success for x in results)
                 bar.set_postfix_str(f"{r.name}: {ok}/{len(results)} success")
             ol = open_loop_error(r.policy, demos, np.asarray(lo), np.asarray(hi))
-            modes[r.name] = summarize_mode(r, results, ol)
+            modes[r.name] = summarize_mode(r, results, ol, cfg.task)
     base_p50 = modes[BASELINE]["latency_ms"]["p50"]
-    for m in modes.values():
+    for name, m in modes.items():
         m["speedup_vs_baseline"] = float(base_p50 / m["latency_ms"]["p50"]) if m["latency_ms"]["p50"] else None
+        if name != BASELINE:
+            m["paired_vs_baseline"] = paired_vs_baseline(modes[BASELINE]["per_episode"], m["per_episode"], cfg.task)
     return {
         "schema": SCHEMA,
         "command": command,
@@ -505,7 +496,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
     }
 
 
-def summarize_mode(run, results: list[EpisodeResult], open_loop: dict[str, Any]) -> dict[str, Any]:
+def summarize_mode(run, results: list[EpisodeResult], open_loop: dict[str, Any], task: str) -> dict[str, Any]:
     n = len(results)
     ok = sum(r.success for r in results)
     lat = [x for r in results for x in r.latency_ms]
@@ -517,6 +508,7 @@ def summarize_mode(run, results: list[EpisodeResult], open_loop: dict[str, Any])
         "success_rate": ok / n,
         "success_ci95": list(wilson_interval(ok, n)),
         "mean_reward": float(np.mean([r.max_reward for r in results])),
+        "stages": stage_summary([r.max_reward for r in results], task),
         "latency_ms": distribution(lat) if lat else {"p50": float("nan"), "p95": float("nan")},
         "inferences_per_episode": float(np.mean([r.inferences for r in results])),
         "holding_fraction": float(np.mean([r.holding_fraction for r in results])),

@@ -49,6 +49,40 @@ def ros_rows(result: dict[str, Any]) -> list[list[str]]:
     return out
 
 
+def stage_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Per mode, the share of episodes whose best grade reached each task stage (reports
+    written before the stages were recorded: no rows)."""
+    names = [n for n in result["mode_order"] if result["modes"][n].get("stages")]
+    if not names:
+        return [], []
+    header = ["mode", *(f"{s['stage']}: {s['name']}" for s in result["modes"][names[0]]["stages"])]
+    out = []
+    for n in names:
+        cells = [f"{s['reached']} ({100 * s['rate']:.0f}%) [{100 * s['ci95'][0]:.0f}, {100 * s['ci95'][1]:.0f}]"
+                 for s in result["modes"][n]["stages"]]  # fmt: skip
+        out.append([n, *cells])
+    return header, out
+
+
+def paired_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Per mode, its episodes against the baseline's on the same seeds (``paired_vs_baseline``)."""
+    names = [n for n in result["mode_order"] if result["modes"][n].get("paired_vs_baseline")]
+    if not names:
+        return [], []
+
+    def cell(c: dict[str, Any]) -> str:
+        return f"{c['baseline_only']} / {c['mode_only']} (p={c['p_value']:.2f})"
+
+    first = result["modes"][names[0]]["paired_vs_baseline"]
+    header = ["mode", "seeds", *(s["name"] for s in first["stages"]), "best grade higher / lower / equal"]
+    out = []
+    for n in names:
+        p = result["modes"][n]["paired_vs_baseline"]
+        r = p["reward"]
+        out.append([n, str(p["seeds"]), *(cell(s) for s in p["stages"]), f"{r['higher']} / {r['lower']} / {r['equal']} (p={r['p_value']:.2f})"])
+    return header, out
+
+
 def title(result: dict[str, Any]) -> str:
     b = result["bundle"]
     return (
@@ -80,6 +114,26 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         "normalized), and as a fraction of each joint's range.",
         "",
     ]
+    header, stages = stage_rows(result)
+    if stages:
+        parts += [
+            "Task stages reached: episodes whose best grade reached each stage (the last is success), share and "
+            "95% Wilson interval. The earlier stages separate modes of a policy that rarely succeeds.",
+            "",
+            _md_table(header, stages),
+            "",
+        ]
+    header, paired = paired_rows(result)
+    if paired:
+        parts += [
+            "Paired with the baseline (same seeds): per stage, the seeds where only the baseline reached it / only "
+            "the mode did, and the exact McNemar test's two-sided p-value (seeds where both agree say nothing "
+            "about a difference; not corrected for the several stages and modes); the last stage is success. Best "
+            "grade: seeds where the mode's was higher / lower / equal, with the sign test's p-value.",
+            "",
+            _md_table(header, paired),
+            "",
+        ]
     ros = ros_rows(result)
     if ros:
         parts += [

@@ -24,6 +24,15 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     e.add_argument("--reuse", default="0.4,0.6,0.8", help="image-token reuse fractions to time")
     e.add_argument("--json", type=Path, help="also write the rows as JSON here")
     e.set_defaults(func=_engine)
+    o = bsub.add_parser(
+        "outcomes", help="task stages reached and paired comparisons of an eval report's modes (no simulation)",
+        description="Reads an eval report (report.json or its directory) and prints, per mode, the share of "
+        "episodes that reached each task stage and, against the baseline on the same seeds, the seeds only one of "
+        "them reached it on with the exact McNemar p-value. Works on reports written before these fields existed.",
+    )  # fmt: skip
+    o.add_argument("report", type=Path, help="eval report directory or its report.json")
+    o.add_argument("--json", type=Path, help="also write the report with these fields added here")
+    o.set_defaults(func=_outcomes)
 
 
 def parse_fractions(text: str, flag: str = "--reuse") -> tuple[float, ...]:
@@ -76,4 +85,25 @@ def _engine(args: argparse.Namespace) -> int:
     print(format_table(pairs))
     if args.json:
         args.json.write_text(json.dumps([p.row() for p in pairs], indent=2) + "\n")
+    return 0
+
+
+def _outcomes(args: argparse.Namespace) -> int:
+    from vla_accel_ros.bench.eval_report import paired_rows, stage_rows
+    from vla_accel_ros.bench.outcomes import with_outcomes
+    from vla_accel_ros.bench.report import _text_table
+    from vla_accel_ros.core.errors import ConfigError
+
+    path = args.report / "report.json" if args.report.is_dir() else args.report
+    if not path.is_file():
+        raise ConfigError(f"report {args.report}: no report.json there")
+    check_output(args.json)
+    try:
+        result = with_outcomes(json.loads(path.read_text()))
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"report {path}: {e}") from None
+    print(_text_table(*stage_rows(result)))
+    print(_text_table(*paired_rows(result)))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
