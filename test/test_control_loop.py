@@ -98,6 +98,52 @@ def test_chunks_for_another_robot_are_dropped():
     assert out.drops[0][0] == "bad_chunk" and loop.chunks_in == 0
 
 
+def test_chunks_of_the_wrong_size_or_time_span_are_dropped_and_the_loop_keeps_ticking():
+    """A chunk without joint names is checked by its size; a dt that is not finite, or spans
+    more than a minute, is refused (not raised out of the tick, where it would stop the node)."""
+    loop = _loop()
+    narrow = ActionChunk(actions=np.zeros((10, 7), np.float32), stamp_ns=T0, dt=0.02, chunk_id=2, joint_names=())
+    forever = ActionChunk(actions=np.repeat(POSE[None], 5, 0).astype(np.float32), stamp_ns=T0, dt=float("inf"), chunk_id=3)
+    slow = ActionChunk(actions=np.repeat(POSE[None], 5, 0).astype(np.float32), stamp_ns=T0, dt=30.0, chunk_id=4)
+    out = loop.tick(T0, measured=POSE, chunks=[narrow, forever, slow])
+    reasons = [why for kind, why in out.drops if kind == "bad_chunk"]
+    assert len(reasons) == 3 and loop.chunks_in == 0
+    assert "7 action dims, the robot 14" in reasons[0] and "finite" in reasons[1] and "span 120 s > 60 s" in reasons[2]
+    out = loop.tick(T0 + DT, measured=POSE, chunks=[_chunk(T0 + DT, 0.01)])
+    out = loop.tick(T0 + 2 * DT, measured=POSE)
+    assert out.command is not None and out.command.shape == (14,) and loop.chunks_in == 1
+
+
+def test_rtc_freezes_every_action_the_old_plan_ran_before_the_chunk_took_over():
+    """Chunks merge after the tick's step, so the tick a chunk arrives on still runs the old
+    plan: the frozen prefix of the next request's guidance must count it too."""
+    from vla_accel_ros.core.scheduling import SchedulerConfig
+
+    lat = 3  # ticks from the observation to the chunk's arrival
+    loop = ControlLoop(ControllerConfig(
+        safety=SafetyConfig(start_enabled=True),
+        scheduler=SchedulerConfig(rtc=True, aggregation="latest_only", initial_latency_ms=lat * 20.0),
+    ))  # fmt: skip
+    pending, executed, exchanges, value = {}, {}, [], 0.0
+    for k in range(120):
+        now = T0 + k * DT
+        out = loop.tick(now, measured=POSE, chunks=[pending.pop(k)] if k in pending else [], obs_stamp_ns=now)
+        if out.command is not None:
+            executed[now] = out.command.copy()
+        if out.request is not None:
+            value += 0.01
+            pending[k + lat] = _chunk(out.request.stamp_ns, value)
+            exchanges.append((out.request, value, k + lat))
+    checked = 0
+    for req, val, arrival in exchanges[2:]:  # latency measured by then
+        if req.guidance is None or arrival + 2 >= 120:
+            continue
+        ran_old = [j for j in range(10) if not np.allclose(executed[req.stamp_ns + j * DT], POSE + val, atol=1e-6)]
+        assert req.guidance.frozen == max(ran_old) + 1 == lat + 1
+        checked += 1
+    assert checked >= 3
+
+
 def test_a_chunk_or_observation_stamped_in_the_future_is_dropped_and_later_ones_still_work():
     loop = _loop()
     far = T0 + 1000 * 10**9  # a wrong clock: +1000 s

@@ -133,6 +133,28 @@ def test_entering_fine_asks_for_a_replan_once():
 def test_motion_config_rejects_inverted_hysteresis():
     with pytest.raises(ConfigError, match="chatters"):
         MotionConfig(enter_z=0.1, leave_z=0.05)
+    # An enter region that reaches outside the stay region: a steady motion would enter fine
+    # on one clause and leave it on another, a replan each time.
+    with pytest.raises(ConfigError, match=r"hypot\(enter_xy, enter_z\) <= leave_speed"):
+        MotionConfig(enter_xy=0.2, leave_speed=0.05, enter_speed=0.04)
+    with pytest.raises(ConfigError, match="enter_speed=0.06 > leave_z=0.05"):
+        MotionConfig(enter_speed=0.06)
+
+
+def test_speeds_divide_by_the_slots_that_passed():
+    """A late tick that skipped a slot moved the command two slots' worth: the same speed,
+    not twice it; a tick repeating a slot adds no (zero-speed) sample."""
+    est = MotionEstimator(RobotConfig(), MotionConfig(smoothing=1.0, min_dwell_steps=1000), dt=0.02)
+    q = START.copy()
+    speeds = {}
+    for slot in (0, 1, 2, 3, 5, 5, 6):  # slot 4 skipped, slot 5 ticked twice
+        q = START.copy()
+        q[0] = 0.5 * 0.02 * slot  # the waist at 0.5 rad/s along the slots
+        r = est.update(_joints(q), slot)
+        speeds.setdefault(slot, []).append((r.joint_speed, r.ee_linear))
+    for slot in (1, 2, 3, 5, 6):
+        for joint, linear in speeds[slot]:
+            assert joint == pytest.approx(0.5) and linear == pytest.approx(speeds[1][0][1], rel=1e-3)  # chord vs arc
 
 
 # -- safety ------------------------------------------------------------------------------------------

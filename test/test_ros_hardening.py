@@ -229,6 +229,41 @@ def test_before_the_model_loads_layer_indices_are_checked_against_the_bundle(ros
         result = node.set_parameters([Parameter("policy.cache.relevance_layer", value=9)])[0]
         assert not result.successful and "policy.cache.relevance_layer=9" in result.reason and "[-1, 3]" in result.reason
         assert node.set_parameters([Parameter("policy.cache.relevance_layer", value=3)])[0].successful
+        # The other accelerations that use the cache, and pruning's layers, are checked too.
+        result = node.set_parameters_atomically(
+            [Parameter("policy.accel", value="cache+prune"), Parameter("policy.cache.reuse_layers", value=[2, 7])]
+        )
+        assert not result.successful and "policy.cache.reuse_layers" in result.reason
+        result = node.set_parameters_atomically(
+            [Parameter("policy.accel", value="prune"), Parameter("policy.prune.spec_layers", value=4)]
+        )
+        assert not result.successful and "spec_layers=4 leaves no layer to prune" in result.reason
+        assert node.get_parameter("policy.accel").value == "cache"
+    finally:
+        node.close()
+        node.destroy_node()
+
+
+def test_options_the_policy_refuses_go_back_to_the_running_ones_even_empty_lists(ros_context, tiny_bundles, tmp_path):
+    """The worker puts the parameters back to what runs when the policy refuses a change; an
+    empty list (reuse_layers' default) must go back as the declared array type (rclpy types a
+    bare [] as a byte array, which the parameter refuses)."""
+    import shutil
+
+    from vla_accel_ros.core.bundle import CONFIG_FILE
+    from vla_accel_ros.ros.policy_node import PolicyNode
+
+    bundle = tmp_path / "config_only"
+    bundle.mkdir()
+    shutil.copy(tiny_bundles["flow"] / CONFIG_FILE, bundle / CONFIG_FILE)
+    node = PolicyNode(context=ros_context, parameter_overrides=[Parameter("bundle", value=str(bundle))])
+    try:
+        running = node.params.config.policy
+        assert running.cache.reuse_layers == ()
+        assert node.set_parameters([Parameter("policy.cache.reuse_layers", value=[2])])[0].successful
+        node._restore(running)  # what the worker does when the policy refuses the change
+        assert tuple(node.get_parameter("policy.cache.reuse_layers").value) == ()
+        assert node.params.config.policy.cache.reuse_layers == ()
     finally:
         node.close()
         node.destroy_node()

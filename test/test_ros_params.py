@@ -43,6 +43,9 @@ def test_descriptors_carry_doc_range_choices_and_read_only(ros_context):
         assert "latest_only" in node.describe_parameter("scheduler.aggregation").additional_constraints
         assert node.describe_parameter("scheduler.control_rate_hz").read_only
         assert node.describe_parameter("command.backend").read_only  # read_only in the dataclass
+        # what the nodes build fixed objects from at start-up: changing it live would be ignored
+        for name in ("robot.gripper.joint_open", "command.trajectory_lookahead_s", "diagnostics_period_s"):
+            assert node.describe_parameter(name).read_only, name
         assert not node.describe_parameter("safety.max_step").read_only
         assert mirror.config == ControllerConfig()
     finally:

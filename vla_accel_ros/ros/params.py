@@ -229,6 +229,12 @@ class ConfigParameters:
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
 
+    def parameter(self, name: str, value: Any) -> Parameter:
+        """``name`` set to ``value`` as its declared type: rclpy would type an empty list as a
+        byte array, which the declared array parameter refuses."""
+        spec = self._by_name[name]
+        return Parameter(name, spec.ros_type, list(value) if isinstance(value, tuple) else value)
+
 
 def ros_type_name(t: int) -> str:
     return {v: k for k, v in vars(ParameterType).items() if k.startswith("PARAMETER_") and isinstance(v, int)}.get(t, str(t))

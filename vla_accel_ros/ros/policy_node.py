@@ -28,7 +28,6 @@ import time
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
-from rclpy.parameter import Parameter
 from std_msgs.msg import Bool, Header, String
 from std_srvs.srv import Trigger
 
@@ -108,14 +107,20 @@ class PolicyNode(Node):
                 policy.text_ids(cfg.instruction)
             except VlaAccelError as e:
                 raise ConfigError(str(e)) from e
-        elif self._spec is not None and cfg.policy.accel == "cache":
-            cfg.policy.cache.check_layers(self._spec.decoder_layers)
+        elif self._spec is not None:
+            if cfg.policy.uses_cache:
+                cfg.policy.cache.check_layers(self._spec.decoder_layers)
+            if cfg.policy.uses_prune:
+                cfg.policy.prune.check_layers(self._spec.decoder_layers)
 
     def _restore(self, running: PolicyConfig) -> None:
         """Options the policy could not apply: the parameters go back to the running ones."""
         values = flatten(running)
         changed = changed_fields(self.params.config.policy, running)
-        self.set_parameters([Parameter(f"policy.{k}", value=list(values[k]) if isinstance(values[k], tuple) else values[k]) for k in changed])
+        params = [self.params.parameter(f"policy.{k}", values[k]) for k in changed]
+        for p, r in zip(params, self.set_parameters(params)):
+            if not r.successful:  # the parameter now claims an option that does not run
+                self.get_logger().error(f"could not set {p.name} back to the running value {p.value!r}: {r.reason}")
 
     def _log(self, level: str, text: str) -> None:
         (self.get_logger().error if level == "error" else self.get_logger().info)(text)

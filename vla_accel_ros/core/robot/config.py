@@ -8,6 +8,8 @@ Fields marked ``read_only`` change shapes, topics or threads and are fixed at st
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from vla_accel_ros.core.config import Config, param
@@ -28,23 +30,27 @@ BACKENDS = ("joint_state", "float64_multi_array", "joint_trajectory", "interboti
 
 @dataclass(frozen=True)
 class GripperConfig(Config):
-    """Normalized gripper [0 closed, 1 open] <-> the robot's units (Interbotix constants)."""
+    """Normalized gripper [0 closed, 1 open] <-> the robot's units (Interbotix constants).
+
+    Read-only at run time: the nodes build their state and command maps from it at start-up."""
 
     state_source: str = param(
         "finger",
         doc="where the gripper state comes from: finger (finger position in m, e.g. left_finger), "
         "joint (gripper joint angle in rad) or normalized (already in [0, 1])",
         choices=("finger", "joint", "normalized"),
+        read_only=True,
     )
     command_units: str = param(
-        "joint", doc="units of gripper commands: joint (rad, via joint_open/close) or normalized", choices=("joint", "normalized")
+        "joint", doc="units of gripper commands: joint (rad, via joint_open/close) or normalized", choices=("joint", "normalized"),
+        read_only=True,
     )
-    finger_joint: str = param("left_finger", doc="joint_states name whose position is the finger opening (m)")
-    gripper_joint: str = param("gripper", doc="joint_states / command name of the gripper joint")
-    finger_open: float = param(0.0579, doc="finger position when open, m", range=(-1.0, 1.0))
-    finger_close: float = param(0.0440, doc="finger position when closed, m", range=(-1.0, 1.0))
-    joint_open: float = param(1.6214, doc="gripper joint command when open, rad", range=(-6.3, 6.3))
-    joint_close: float = param(0.6197, doc="gripper joint command when closed, rad", range=(-6.3, 6.3))
+    finger_joint: str = param("left_finger", doc="joint_states name whose position is the finger opening (m)", read_only=True)
+    gripper_joint: str = param("gripper", doc="joint_states / command name of the gripper joint", read_only=True)
+    finger_open: float = param(0.0579, doc="finger position when open, m", range=(-1.0, 1.0), read_only=True)
+    finger_close: float = param(0.0440, doc="finger position when closed, m", range=(-1.0, 1.0), read_only=True)
+    joint_open: float = param(1.6214, doc="gripper joint command when open, rad", range=(-6.3, 6.3), read_only=True)
+    joint_close: float = param(0.6197, doc="gripper joint command when closed, rad", range=(-6.3, 6.3), read_only=True)
 
     def validate(self) -> None:
         if self.finger_open == self.finger_close:
@@ -288,6 +294,20 @@ class MotionConfig(Config):
                 f"(z {self.enter_z}/{self.leave_z}, rot {self.enter_rot}/{self.leave_rot}, "
                 f"speed {self.enter_speed}/{self.leave_speed}), or the switch chatters"
             )
+        # Every motion that enters must also stay: |v| < enter_speed bounds v_z by it too, and
+        # xy < enter_xy with z < enter_z bounds |v| by their hypotenuse.
+        corner = math.hypot(self.enter_xy, self.enter_z)
+        if self.enter_speed > self.leave_z:
+            raise ConfigError(
+                f"MotionConfig.enter_speed={self.enter_speed} > leave_z={self.leave_z}: a motion entering fine on its "
+                "speed could leave at once on its z speed; keep enter_speed <= leave_z, or the switch chatters"
+            )
+        if corner > self.leave_speed:
+            raise ConfigError(
+                f"MotionConfig: enter_xy={self.enter_xy} and enter_z={self.enter_z} admit speeds up to {corner:.4g} m/s "
+                f"> leave_speed={self.leave_speed}: such a motion would enter and leave fine in turn; keep "
+                "hypot(enter_xy, enter_z) <= leave_speed"
+            )
 
 
 @dataclass(frozen=True)
@@ -312,17 +332,19 @@ class CommandConfig(Config):
         ("/follower_left/ee_command", "/follower_right/ee_command"), doc="ee_pose / ee_twist: one topic per arm", read_only=True
     )
     ee_frame_ids: tuple[str, ...] = param(
-        ("follower_left/base_link", "follower_right/base_link"), doc="ee_pose / ee_twist: header.frame_id per arm"
-    )
+        ("follower_left/base_link", "follower_right/base_link"), doc="ee_pose / ee_twist: header.frame_id per arm",
+        read_only=True,
+    )  # fmt: skip
     trajectory_lookahead_s: float = param(
-        0.0, doc="joint_trajectory: time_from_start of the point (0: one control period)", range=(0.0, 10.0)
-    )
+        0.0, doc="joint_trajectory: time_from_start of the point (0: one control period)", range=(0.0, 10.0),
+        read_only=True,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ControllerConfig(Config):
     request_chunks: bool = param(True, doc="send ChunkRequests (with RTC guidance) when the scheduler wants a chunk")
-    diagnostics_period_s: float = param(1.0, doc="period of /diagnostics", range=(0.05, 3600.0))
+    diagnostics_period_s: float = param(1.0, doc="period of /diagnostics", range=(0.05, 3600.0), read_only=True)
     max_future_ms: float = _max_future_ms()
     realtime_priority: int = param(
         0, doc="SCHED_FIFO priority (1-99) of the control loop's threads, so nothing else on the machine delays a "

@@ -55,32 +55,44 @@ class MotionEstimator:
         self.config = config
 
     def reset(self) -> None:
+        self._prev_slot: int | None = None
         self._prev_q: np.ndarray | None = None
+        self._qd = np.zeros(0)  # the last joint velocities
         self._prev_T: list[np.ndarray] | None = None
         self._ema = np.zeros(4)  # linear, xy, z, angular
         self._primed = False
         self.mode = COARSE
         self._dwell = 0
 
-    def update(self, action: np.ndarray) -> MotionEstimate:
-        """One control step's commanded action [D] (robot units)."""
+    def update(self, action: np.ndarray, slot: int | None = None) -> MotionEstimate:
+        """One control step's commanded action [D] (robot units). ``slot``: its control slot on
+        the scheduler's grid; speeds divide by the slots since the previous action (a late tick
+        that skipped a slot moved the command two slots' worth), and a tick repeating the slot
+        of the previous one adds no sample. Without slots, consecutive calls are one dt apart."""
         q = np.asarray(action, np.float64).reshape(-1)
+        steps = 1 if slot is None or self._prev_slot is None else slot - self._prev_slot
+        if steps <= 0 and self._prev_q is not None:
+            return self._estimate(self._qd, switched=False)  # the same slot again: nothing new to measure
         poses = [fk(q[idx]) for idx in self._arms]
         qd = np.zeros_like(q)
         if self._prev_q is not None and self._prev_q.shape == q.shape:
-            qd = (q - self._prev_q) / self.dt
+            elapsed = steps * self.dt
+            qd = (q - self._prev_q) / elapsed
             sample = np.zeros(4)  # linear, xy, z, angular: max over arms
             for T, T0 in zip(poses, self._prev_T or []):
-                dp = (T[:3, 3] - T0[:3, 3]) / self.dt
+                dp = (T[:3, 3] - T0[:3, 3]) / elapsed
                 lin, xy, z = float(np.linalg.norm(dp)), float(np.hypot(dp[0], dp[1])), abs(float(dp[2]))
-                ang = rotation_angle(T0[:3, :3], T[:3, :3]) / self.dt
+                ang = rotation_angle(T0[:3, :3], T[:3, :3]) / elapsed
                 sample = np.maximum(sample, [lin, xy, z, ang])
             a = self.config.smoothing
             self._ema = a * sample + (1.0 - a) * self._ema if self._primed else sample
             self._primed = True
-        self._prev_q, self._prev_T = q, poses
+        self._prev_q, self._prev_T, self._prev_slot, self._qd = q, poses, slot, qd
         lin, xy, z, ang = (float(x) for x in self._ema)
-        switched = self._switch(lin, xy, z, ang)
+        return self._estimate(qd, switched=self._switch(lin, xy, z, ang))
+
+    def _estimate(self, qd: np.ndarray, *, switched: bool) -> MotionEstimate:
+        lin, xy, z, ang = (float(x) for x in self._ema)
         return MotionEstimate(
             mode=self.mode,
             switched=switched,

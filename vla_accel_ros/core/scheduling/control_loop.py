@@ -171,7 +171,7 @@ class ControlLoop:
             with self._lock:
                 out.command = self.safety.filter(action, measured).command
             self.commands += 1
-            self._motion_step(out, out.command)
+            self._motion_step(out, out.command, result.slot)
         elif not allowed:
             with self._lock:
                 self.safety.forget()
@@ -190,6 +190,7 @@ class ControlLoop:
         self.watchdog.reset()
         self.motion.reset()
         self._last_requested = -1
+        self._force_request = False  # a replan for the motion before the restart is moot
 
     def _ahead(self, stamp_ns: int, now_ns: int) -> str:
         """Why ``stamp_ns`` is refused at ``now_ns`` for lying in the future ('' when it is not)."""
@@ -206,7 +207,12 @@ class ControlLoop:
         try:
             if chunk.joint_names and tuple(chunk.joint_names) != tuple(cfg.robot.joint_names):
                 raise SchedulerError(f"chunk {chunk.chunk_id} joint_names {list(chunk.joint_names)} differ from robot.joint_names")
-            self.scheduler.add_chunk(chunk, now_ns)
+            shape = np.shape(chunk.actions)
+            if len(shape) == 2 and shape[1] != cfg.robot.dim:  # a chunk without names is checked by its size
+                raise SchedulerError(f"chunk {chunk.chunk_id} has {shape[1]} action dims, the robot {cfg.robot.dim}")
+            # Merged after this tick's step, its actions apply from the next tick: that is when it
+            # counts as arrived, so the latency (RTC's d) covers every action the old plan ran.
+            self.scheduler.add_chunk(chunk, now_ns + int(cfg.scheduler.dt * 1e9))
             # Nothing planned even after this chunk: all of it was in the past (a 1-action chunk
             # stamped between two ticks covers no tick at all).
             if self.scheduler.pending == 0 and cfg.stale_chunks == "execute_last":
@@ -225,8 +231,8 @@ class ControlLoop:
         self.got_chunk = True
         self.watchdog.chunk(now_ns)
 
-    def _motion_step(self, out: TickOutput, cmd: np.ndarray) -> None:
-        est = self.motion.update(cmd)
+    def _motion_step(self, out: TickOutput, cmd: np.ndarray, slot: int) -> None:
+        est = self.motion.update(cmd, slot)
         if est.replan and self.config.request_chunks:
             self._force_request = True
         if est.switched or self.tick_count % self.config.motion.publish_every == 0:

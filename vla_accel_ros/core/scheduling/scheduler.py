@@ -26,6 +26,8 @@ from vla_accel_ros.core.scheduling.config import SchedulerConfig
 from vla_accel_ros.core.scheduling.latency import LatencyTracker
 from vla_accel_ros.core.scheduling.metrics import MetricsRecorder, SchedulerMetrics
 from vla_accel_ros.core.errors import SchedulerError
+
+MAX_CHUNK_SPAN_S = 60.0  # longest time a chunk may cover (action chunks span ~0.2-2 s)
 from vla_accel_ros.core.scheduling.queue import ActionTimeline
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance
 
@@ -139,8 +141,15 @@ class ChunkScheduler:
             raise SchedulerError(f"chunk {chunk.chunk_id}: action dim {a.shape[1]}, the scheduler runs {self._dim}")
         if not np.isfinite(a).all():
             raise SchedulerError(f"chunk {chunk.chunk_id} has non-finite actions; refusing to command them")
-        if not chunk.dt > 0:
-            raise SchedulerError(f"chunk {chunk.chunk_id}: dt must be > 0, got {chunk.dt}")
+        if not (math.isfinite(chunk.dt) and chunk.dt > 0):
+            raise SchedulerError(f"chunk {chunk.chunk_id}: dt must be finite and > 0, got {chunk.dt}")
+        if (a.shape[0] - 1) * chunk.dt > MAX_CHUNK_SPAN_S:
+            # The plan holds one row per control slot the chunk spans: a wrong dt must not
+            # allocate minutes of rows (or, at 1e300, crash the tick).
+            raise SchedulerError(
+                f"chunk {chunk.chunk_id}: {a.shape[0]} actions at dt {chunk.dt:g} s span "
+                f"{(a.shape[0] - 1) * chunk.dt:g} s > {MAX_CHUNK_SPAN_S:g} s"
+            )
         if self.config.rtc and abs(chunk.dt - self.config.dt) > 1e-9:
             raise SchedulerError(
                 f"rtc=True needs chunks at the control rate (dt {self.config.dt}), chunk {chunk.chunk_id} has dt "
