@@ -139,3 +139,41 @@ def test_eval_through_ros_refuses_a_mode_the_graph_cannot_run(mode, tiny_bundles
     err = capsys.readouterr().err
     assert f"mode {mode!r} cannot run through the ROS graph" in err
     assert not (tmp_path / "r").exists()  # refused before any episode ran
+
+
+def test_open_loop_error_does_not_inherit_the_closed_loops_motion_mode(tiny_bundles):
+    """No controller runs along the expert's demonstrations: whatever motion mode the last
+    closed-loop tick left on a pruning policy, its open-loop error is the same."""
+    import numpy as np
+
+    from vla_accel_ros.bench import eval as ev
+    from vla_accel_ros.bench.replay import build_runs
+    from vla_accel_ros.core.bundle import load_bundle
+    from vla_accel_ros.core.robot.safety import default_limits
+
+    cfg = ev.EvalConfig(bundle=tiny_bundles["flow"], episodes=1, steps=12, modes=("baseline", "prune"), parity_check=False,
+                        num_threads=1, open_loop_episodes=1, open_loop_stride=4, height=120, width=160)  # fmt: skip
+    graph = ev.GraphConfigs.load(None)
+    bundle = load_bundle(cfg.bundle)
+    robot = ev.SimRobot(cfg.task, tuple(bundle.spec.cameras), graph.robot, graph.sync(bundle.spec.image_size), cfg.height, cfg.width)
+    policy = build_runs(bundle, ["baseline", "prune"], cfg)[1].policy
+    demos = ev.record_demos(robot, cfg.task, [cfg.seed], cfg.steps, cfg.open_loop_stride)
+    lo, hi = (np.asarray(x) for x in default_limits(graph.robot))
+    errors = {}
+    for mode in ("coarse", "fine"):
+        policy.set_motion_mode(mode)
+        errors[mode] = ev.open_loop_error(policy, demos, lo, hi)["mean_abs_rad"]
+    assert errors["coarse"] == errors["fine"]
+
+
+def test_measured_latency_lands_a_chunk_its_latency_after_its_frame():
+    from vla_accel_ros.bench.eval import landing_ns
+
+    ms = 1_000_000
+    # sequential: the frame was rendered at now; rendering time is the simulator's, not counted
+    assert landing_ns("measured", 100 * ms, 100 * ms, 58.0) == 158 * ms
+    # pipelined: an older frame whose chunk saw 95 ms of compute while in flight
+    assert landing_ns("measured", 100 * ms, 20 * ms, 95.0) == 115 * ms
+    # never before the next tick; zero latency: the next tick
+    assert landing_ns("measured", 100 * ms, 20 * ms, 10.0) == 100 * ms + 1
+    assert landing_ns("zero", 100 * ms, 100 * ms, 58.0) == 100 * ms + 1

@@ -222,6 +222,15 @@ def test_errors(sim_bag, tiny_bundles, tmp_path, capsys) -> None:
     assert "--warmup 100 leaves no frame to time" in err  # from the bag's metadata, before any weights load
     err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", ar, "--modes", ",", "--report", rep])
     assert "names no mode" in err
+    # Overrides are checked whether or not a chosen mode uses them, and a report path that is
+    # a file is refused before anything runs.
+    err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", ar, "--modes", "baseline,prune", "--cache", "nope=1", "--report", rep])
+    assert "--cache nope=1" in err and "CacheConfig has no field(s) nope" in err
+    err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", ar, "--modes", "baseline", "--prune", "keep_global=-5", "--report", rep])
+    assert "--prune keep_global=-5" in err and "keep_global" in err
+    (tmp_path / "afile").write_text("x")
+    err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", ar, "--no-parity", "--report", str(tmp_path / "afile")])
+    assert "is a file" in err
     assert not (tmp_path / "r").exists()  # nothing written on failure
     # The same typed errors from the Python API.
     cfg = rp.ReplayConfig(bag=no_state, bundle=Path(flow))
@@ -273,3 +282,16 @@ def test_prune_and_cache_overrides_reach_their_modes_only(sim_bag, tiny_bundles)
     bad = dataclasses.replace(cfg, prune_overrides={"keep_global": 300})
     with pytest.raises(ConfigError, match="keep_global"):
         rp._policy_config(rp.mode_of("prune"), bad)
+
+
+def test_pipelined_throughput_counts_the_drain_at_episode_ends(sim_bag, tiny_bundles):
+    """The frames still in flight when an episode ends are decoded by flush(): that work is part
+    of what the timed frames cost, so frames/s counts it (it was left out before)."""
+    cfg = rp.ReplayConfig(bag=sim_bag, bundle=tiny_bundles["ar"], modes=("baseline", "pipelined"), warmup=1,
+                          parity_check=False, pipeline_depth=4)  # fmt: skip
+    rep = rp.run_replay(cfg)
+    base, pipe = rep["modes"]["baseline"], rep["modes"]["pipelined"]
+    assert base["drain_ms"] == 0.0 and pipe["drain_ms"] > 0.0
+    frames = rep["frames"]
+    spent_s = (pipe["call_ms"]["mean"] * frames + pipe["drain_ms"]) / 1e3
+    assert pipe["throughput_fps"] == pytest.approx(frames / spent_s, rel=1e-9)

@@ -34,7 +34,7 @@ import numpy as np
 
 from vla_accel_ros.bench.outcomes import paired_vs_baseline, stage_summary, wilson_interval
 from vla_accel_ros.bench.reasoning import reasoning_summary, truth_words
-from vla_accel_ros.bench.replay import BASELINE, build_runs, machine_info, parse_modes
+from vla_accel_ros.bench.replay import BASELINE, build_runs, check_overrides, machine_info, parse_modes
 from vla_accel_ros.bench.stats import distribution
 from vla_accel_ros.core.errors import ConfigError
 
@@ -90,6 +90,7 @@ class EvalConfig:
         if not Path(self.bundle).exists():
             raise ConfigError(f"--bundle {self.bundle} does not exist")
         names = parse_modes(list(self.modes))
+        check_overrides(self)
         if self.through_ros:
             for name in names:
                 graph_params(name, self)  # ConfigError: a mode the graph cannot run
@@ -218,6 +219,15 @@ class EpisodeResult:
     reasoning_truths: list = field(default_factory=list)
 
 
+def landing_ns(latency_model: str, now_ns: int, stamp_ns: int, latency_ms: float) -> int:
+    """When a chunk computed at ``now_ns`` reaches the controller, on simulated time: ``zero``,
+    the next tick; ``measured``, ``latency_ms`` after its observation's stamp (never before the
+    next tick)."""
+    if latency_model == "zero":
+        return now_ns + 1
+    return max(stamp_ns + int(latency_ms * 1e6), now_ns + 1)
+
+
 def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalConfig, noise_seed: int) -> EpisodeResult:
     """One closed-loop episode on simulated time, the graph's tick order: the controller's tick
     (:class:`ControlLoop`: scheduler, safety filter, motion switch, request gating) at every
@@ -254,7 +264,6 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
         if out.command is not None:
             target = out.command
         chunks: list = []
-        t0 = time.perf_counter_ns()
         if pipe is not None and tick % cfg.stream_every == 0:
             obs = robot.observe(now)
             if obs is not None:
@@ -269,14 +278,14 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
                 if "reasoning_text" in chunks[0].stats:
                     reasoning.append(chunks[0].stats)
                     truths.append(truth_words(cfg.task, tick, obs.state))
-        call_ms = (time.perf_counter_ns() - t0) / 1e6
         for chunk in chunks:
             ms = float(chunk.stats.get("staleness_busy_ms", chunk.timings_ms["total"]))
             latencies.append(ms)
             # zero: the simulator waits for the chunk (aloha_sim_node's policy_sync), so it is in
-            # the controller's inbox at the next tick; measured: this call's wall time later.
-            delay = 0 if cfg.latency == "zero" else int(call_ms * 1e6)
-            in_flight.append((now + max(delay, 1), chunk))
+            # the controller's inbox at the next tick; measured: its observation-to-action latency
+            # after its frame (a pipelined chunk: the compute its frame saw while in flight), the
+            # renderer's time left out (the simulator's cost, not the policy's).
+            in_flight.append((landing_ns(cfg.latency, now, int(chunk.stamp_ns), ms), chunk))
         robot.step(target)
         now += DT_NS
     return EpisodeResult(
@@ -418,6 +427,9 @@ def open_loop_error(policy, demos: list[Demo], lower: np.ndarray, upper: np.ndar
     errs = []
     for demo in demos:
         policy.reset()
+        # No controller runs here: the closed loop's last motion mode must not choose how much
+        # a pruning mode keeps along the expert's demonstration.
+        policy.set_motion_mode("coarse")
         for step, obs in demo.frames:
             noise = np.random.default_rng((demo.seed, step)).standard_normal((policy.spec.chunk_size, policy.spec.action_dim))
             chunk = policy.infer(obs, noise=noise.astype(np.float32))

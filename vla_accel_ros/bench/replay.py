@@ -185,6 +185,7 @@ class ReplayConfig:
         if self.pipeline_steps < 0 or self.pipeline_depth < 0:
             raise ConfigError(f"--pipeline-steps / --pipeline-depth must be >= 0, got {self.pipeline_steps} / {self.pipeline_depth}")
         parse_modes(list(self.modes))
+        check_overrides(self)
         if "cameras" in self.sync_overrides:
             raise ConfigError(
                 f"--sync cameras={self.sync_overrides['cameras']!r}: the cameras come from the bundle "
@@ -245,6 +246,7 @@ class ModeRun:
     work: list[FrameWork] = field(default_factory=list)  # what each timed inference computed
 
     call_ms: list[float] = field(default_factory=list)  # each timed frame's call (the mode's cost per frame)
+    flush_ms: float = 0.0  # finishing the frames in flight at episode ends, once timing began (pipelined)
     stamps: list[int] = field(default_factory=list)  # of the recorded chunks' observations
     pipeline: Any = None  # PipelinedAr for pipelined modes
 
@@ -258,8 +260,16 @@ class ModeRun:
             return [self.policy.reference_infer(obs, noise=noise)]
         return [self.policy.reference_infer(obs)]  # ar: greedy, no noise
 
-    def flush(self) -> list:
-        return self.pipeline.flush() if self.pipeline is not None else []
+    def flush(self, timed: bool) -> list:
+        """The chunks still in flight; their decode work counts toward throughput once the
+        timed frames began (it is what those frames cost, only later)."""
+        if self.pipeline is None:
+            return []
+        t0 = time.perf_counter_ns()
+        chunks = self.pipeline.flush()
+        if timed:
+            self.flush_ms += (time.perf_counter_ns() - t0) / 1e6
+        return chunks
 
     def reset(self) -> None:
         (self.pipeline or self.policy).reset()
@@ -277,6 +287,24 @@ class ModeRun:
             self.tokens.append(list(st["action_tokens"]))
         layout, _ = self.policy.layout_for(instruction)
         self.work.append(work_from_stats(spec, st, layout.length, self.mode.reference))
+
+
+def check_overrides(cfg) -> None:
+    """``--cache`` / ``--prune`` / ``--precision`` values checked before anything runs, whether
+    or not a chosen mode uses them (a typo must not pass silently)."""
+    from vla_accel_ros.core.cache import CacheConfig
+    from vla_accel_ros.core.precision import PrecisionConfig
+    from vla_accel_ros.core.prune import PruneConfig
+
+    for flag, cls, values in (
+        ("--cache", CacheConfig, cfg.cache_overrides), ("--prune", PruneConfig, cfg.prune_overrides),
+        ("--precision", PrecisionConfig, getattr(cfg, "precision_overrides", {})),
+    ):  # fmt: skip
+        if values:
+            try:
+                cls.from_dict(values)
+            except ConfigError as e:
+                raise ConfigError(f"{flag} {', '.join(f'{k}={v}' for k, v in values.items())}: {e}") from None
 
 
 def _policy_config(mode: Mode, cfg: ReplayConfig):
@@ -404,7 +432,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
                 raise BagError(f"bag {bag_path}: observation at {obs.stamp_ns} ns has no state; bundle {spec.name} needs one")
             if prev_episode is not None and obs.episode != prev_episode:
                 for r in runs:  # a new episode: nothing carried over (the cache also keys on it)
-                    record(r, r.flush())
+                    record(r, r.flush(timed=bool(frame_episodes)))
                     r.reset()
             prev_episode = obs.episode
             ep = episodes.setdefault(obs.episode, {"index": obs.episode, "instruction": obs.instruction, "frames": 0})
@@ -433,7 +461,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
                 break
         skipped = dict(bag.skipped)
     for r in runs:  # the frames still in flight, then bookkeeping (not between two timed inferences)
-        record(r, r.flush())
+        record(r, r.flush(timed=bool(frame_episodes)))
         r.flops = [estimate_flops(spec, w, flow_steps=flow_steps) for w in r.work]
     if not frame_episodes:
         raise BagError(
@@ -492,11 +520,11 @@ def summarize(runs: list[ModeRun], spec, truths: dict[int, list[str] | None] | N
     ref = next(r for r in runs if r.name == BASELINE)
     std = action_std(spec)
     base = np.asarray(ref.latency)
-    base_fps = len(ref.call_ms) / (sum(ref.call_ms) / 1e3)
+    base_fps = len(ref.call_ms) / ((sum(ref.call_ms) + ref.flush_ms) / 1e3)
     out: dict[str, Any] = {}
     for r in runs:
         lat = np.asarray(r.latency)
-        fps = len(r.call_ms) / (sum(r.call_ms) / 1e3)
+        fps = len(r.call_ms) / ((sum(r.call_ms) + r.flush_ms) / 1e3)  # a pipeline's drain included
         stale_frames = [float(s.get("staleness_calls", 0)) for s in r.stats]
         reuse = [float(s.get("reuse_fraction", 0.0)) for s in r.stats]  # transformers: no reuse
         kept = [float(s.get("tokens_kept_fraction", 1.0)) for s in r.stats]
@@ -513,6 +541,7 @@ def summarize(runs: list[ModeRun], spec, truths: dict[int, list[str] | None] | N
             "parity_gate": _gate_metrics(r.policy),
             "latency_ms": distribution(r.latency),  # obs-to-action (pipelined: its own compute while in flight)
             "call_ms": distribution(r.call_ms),  # the mode's cost per frame
+            "drain_ms": r.flush_ms,  # pipelined: finishing the frames in flight at episode ends (in throughput)
             "throughput_fps": fps,
             "throughput_speedup_vs_baseline": fps / base_fps,
             "actions_per_s": fps * spec.chunk_size,

@@ -299,6 +299,23 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     return list(PLOTS)
 
 
+def check_report_dir(out_dir: str | Path, flag: str = "--report") -> None:
+    """Refuse, before a long run, a report directory that could not be written (nothing is
+    created here: a run that fails leaves nothing behind)."""
+    import os
+
+    from vla_accel_ros.core.errors import ConfigError
+
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file; give a directory for report.json, report.md and the plots")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: cannot create it under {parent} (not a writable directory)")
+
+
 def write_report(
     result: dict[str, Any], out_dir: str | Path, *, plots: bool = True, to_markdown=None, plotter=None
 ) -> dict[str, Path]:

@@ -65,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _eval(args: argparse.Namespace) -> int:
     from vla_accel_ros.bench.eval import EvalConfig, run_eval
     from vla_accel_ros.bench.eval_report import headline_text, write_report
+    from vla_accel_ros.bench.report import check_report_dir
     from vla_accel_ros.bench.replay import parse_modes
     from vla_accel_ros.cli.cache_bench_cmd import parse_overrides
 
@@ -80,6 +81,7 @@ def _eval(args: argparse.Namespace) -> int:
         ros_episode_timeout_s=args.ros_episode_timeout,
     )  # fmt: skip
     cfg.validate()
+    check_report_dir(args.report)
     command = shlex.join(["vla-accel", "eval", *sys.argv[2:]]) if len(sys.argv) > 1 and sys.argv[1] == "eval" else ""
     result = run_eval(cfg, progress=not args.no_progress, command=command)
     if cfg.through_ros:

@@ -77,7 +77,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 def _replay(args: argparse.Namespace) -> int:
     from vla_accel_ros.bench.replay import ReplayConfig, parse_modes, run_replay
-    from vla_accel_ros.bench.report import headline_text, write_report
+    from vla_accel_ros.bench.report import check_report_dir, headline_text, write_report
     from vla_accel_ros.cli.cache_bench_cmd import parse_overrides
 
     cfg = ReplayConfig(
@@ -89,6 +89,7 @@ def _replay(args: argparse.Namespace) -> int:
         sync_overrides=parse_overrides(args.sync, "--sync"), pipeline_depth=args.pipeline_depth,
         pipeline_steps=args.pipeline_steps,
     )  # fmt: skip
+    check_report_dir(args.report)
     result = run_replay(cfg, progress=not args.no_progress, command=command_line(args))
     paths = write_report(result, args.report, plots=not args.no_plots)
     print(headline_text(result))
