@@ -295,3 +295,11 @@ def test_pipelined_throughput_counts_the_drain_at_episode_ends(sim_bag, tiny_bun
     frames = rep["frames"]
     spent_s = (pipe["call_ms"]["mean"] * frames + pipe["drain_ms"]) / 1e3
     assert pipe["throughput_fps"] == pytest.approx(frames / spent_s, rel=1e-9)
+
+
+def test_report_json_holds_no_bare_nan():
+    """A mode without inferences has NaN latencies: report.json carries them as null, valid JSON."""
+    from vla_accel_ros.bench.report import json_safe
+
+    out = json.dumps(json_safe({"p50": float("nan"), "xs": [1.0, float("inf"), (2, float("-inf"))], "n": 3}), allow_nan=False)
+    assert json.loads(out) == {"p50": None, "xs": [1.0, None, [2, None]], "n": 3}

@@ -8,6 +8,7 @@ show what a table hides (the latency tail, reuse and deviation over the episode)
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +300,18 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     return list(PLOTS)
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as None (null): Python writes them as bare NaN, which
+    is not JSON, and other readers (jq, browsers) refuse the whole file."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def check_report_dir(out_dir: str | Path, flag: str = "--report") -> None:
     """Refuse, before a long run, a report directory that could not be written (nothing is
     created here: a run that fails leaves nothing behind)."""
@@ -324,6 +337,6 @@ def write_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = (plotter or write_plots)(result, out) if plots else []
-    (out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "report.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n")
     (out / "report.md").write_text((to_markdown or markdown)(result, names))
     return {"json": out / "report.json", "markdown": out / "report.md", **{n: out / n for n in names}}

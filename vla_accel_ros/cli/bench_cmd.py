@@ -91,7 +91,7 @@ def _engine(args: argparse.Namespace) -> int:
 def _outcomes(args: argparse.Namespace) -> int:
     from vla_accel_ros.bench.eval_report import paired_rows, stage_rows
     from vla_accel_ros.bench.outcomes import with_outcomes
-    from vla_accel_ros.bench.report import _text_table
+    from vla_accel_ros.bench.report import _text_table, json_safe
     from vla_accel_ros.core.errors import ConfigError
 
     path = args.report / "report.json" if args.report.is_dir() else args.report
@@ -105,5 +105,5 @@ def _outcomes(args: argparse.Namespace) -> int:
     print(_text_table(*stage_rows(result)))
     print(_text_table(*paired_rows(result)))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n")
     return 0
