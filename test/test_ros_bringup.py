@@ -77,3 +77,22 @@ def test_an_autoregressive_bundle_commands_with_stale_chunks_execute_last(tmp_pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
     assert s["policy_node"]["chunks"] > 0 and s["action_controller_node"]["commands"] > 0
+
+
+def test_starting_a_graph_on_a_domain_leaves_this_process_environment_alone(tmp_path, ros_params_file, monkeypatch):
+    """The children get --domain-id in their environment; the starter's own ROS_DOMAIN_ID (which
+    every later context of this process would use) is not rewritten."""
+    import dataclasses
+
+    from vla_accel_ros.ros import processes
+    from vla_accel_ros.ros.graph import describe
+
+    monkeypatch.setenv("ROS_DOMAIN_ID", "17")
+    monkeypatch.setenv("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+    graph = dataclasses.replace(describe(params_file=ros_params_file), nodes=())  # the monitor only
+    running = processes.start(graph, domain_id=random.SystemRandom().randint(101, 200), workdir=tmp_path)
+    try:
+        assert os.environ["ROS_DOMAIN_ID"] == "17"
+    finally:
+        running.stop()
+    assert os.environ["ROS_DOMAIN_ID"] == "17"

@@ -62,6 +62,7 @@ class ProcessGraph:
     processes: dict[str, NodeProcess] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     started: float = 0.0
+    domain_id: int | None = None  # the children's ROS_DOMAIN_ID (None: inherited)
     _context: Context | None = None
     _monitor: Node | None = None
     _executor: SingleThreadedExecutor | None = None
@@ -82,7 +83,8 @@ class ProcessGraph:
         cmd += ["--params-file", self.graph.params_file, "--params-file", str(overrides)]
         for src, dst in remappings:
             cmd += ["-r", f"{src}:={dst}"]
-        popen = subprocess.Popen(cmd, preexec_fn=_die_with_parent)  # noqa: PLW1509 - before any thread of ours runs
+        env = None if self.domain_id is None else {**os.environ, "ROS_DOMAIN_ID": str(self.domain_id)}
+        popen = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509 - before any thread of ours runs
         self.processes[name] = NodeProcess(name, popen, summary)
 
     def add_recorder(self, name: str, module: str, node_class: str, parameters: dict[str, Any]) -> None:
@@ -162,12 +164,13 @@ class ProcessGraph:
 
 def start(graph: Graph, *, domain_id: int | None = None, log: Callable[[str], None] = print, workdir: Path | None = None) -> ProcessGraph:
     """Start every available node of ``graph`` in a process of its own."""
-    env_domain = os.environ.get("ROS_DOMAIN_ID")
-    if domain_id is not None:
-        os.environ["ROS_DOMAIN_ID"] = str(domain_id)  # the children inherit it
-    running = ProcessGraph(graph=graph, workdir=Path(workdir or tempfile.mkdtemp(prefix="vla_bringup_")), own_workdir=workdir is None)
+    running = ProcessGraph(
+        graph=graph, workdir=Path(workdir or tempfile.mkdtemp(prefix="vla_bringup_")), own_workdir=workdir is None,
+        domain_id=domain_id,
+    )  # fmt: skip
     try:
-        running._start_monitor(domain_id if domain_id is not None else _int(env_domain))  # noqa: SLF001
+        # The children get the domain in their environment; this process's stays as it was.
+        running._start_monitor(domain_id if domain_id is not None else _int(os.environ.get("ROS_DOMAIN_ID")))  # noqa: SLF001
         for spec in graph.nodes:
             if spec.optional and not spec.available():
                 log(f"skipping {spec.name}: module {spec.module} is not installed yet")
