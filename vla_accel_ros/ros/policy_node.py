@@ -195,6 +195,8 @@ class PolicyNode(Node):
         t0 = time.perf_counter()
         self.get_logger().info(f"loading {cfg.bundle} ...")
         policy = load_for_robot(cfg)  # warmed up on the bundle's instruction: the topic's is checked next
+        if self.worker.stopped:  # closed while loading: the node (its publishers) may be gone already
+            return
         self.policy = self.worker.policy = policy
         why = self.worker.recheck_instruction()
         if why:
@@ -232,6 +234,8 @@ class PolicyNode(Node):
         """Stop the worker (it finishes the inference in progress)."""
         self.worker.stop()
         self._thread.join(timeout=10.0)
+        if self._thread.is_alive():  # a load in progress: it returns without publishing once done
+            self.get_logger().warning("closing while the policy loads; the worker ends when the load returns")
         if self._announce in self.channel.listeners:
             self.channel.listeners.remove(self._announce)
 
