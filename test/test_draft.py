@@ -63,6 +63,22 @@ def test_drafted_tokens_equal_sequential_decoding(tiny_bundles, frames, accel):
     assert drafted.infer(frames[0]).stats["draft_rows"] == 0  # reset forgets the last chunk
 
 
+def test_another_episode_or_instruction_starts_without_a_draft(tiny_bundles, frames):
+    """The last chunk of one episode (or task) is no draft for the next: with a reduced-precision
+    LM the tokens a draft confirms can differ from a fresh decode's."""
+    import dataclasses
+
+    _, drafted = _policies(tiny_bundles["ar"])
+    drafted.infer(frames[0])
+    assert drafted.infer(frames[1]).stats["draft_rows"] > 0
+    other_episode = dataclasses.replace(frames[2], episode=frames[2].episode + 1)
+    assert drafted.infer(other_episode).stats["draft_rows"] == 0
+    assert drafted.infer(frames[3] if len(frames) > 3 else frames[2]).stats["draft_rows"] == 0  # back: no draft of that one either
+    other_task = dataclasses.replace(frames[2], instruction="stack the blocks")
+    drafted.infer(frames[2])
+    assert drafted.infer(other_task).stats["draft_rows"] == 0
+
+
 def test_a_wrong_draft_is_cut_at_its_first_wrong_token(tiny_bundles, frames):
     plain, drafted = _policies(tiny_bundles["ar"])
     obs = frames[1]
@@ -72,7 +88,7 @@ def test_a_wrong_draft_is_cut_at_its_first_wrong_token(tiny_bundles, frames):
     for j in (0, 1, n // 2, n - 2, n - 1):
         wrong = list(truth)
         wrong[j] = first + (wrong[j] - first + 1) % bins  # another action token
-        drafted._draft = wrong
+        drafted._draft, drafted._draft_key = wrong, (obs.episode, obs.instruction)
         chunk = drafted.infer(obs)
         assert chunk.stats["action_tokens"] == truth, f"wrong token at {j}"
         # The prefill's draft rows give tokens 1..j; then each forward takes the last token and
@@ -81,7 +97,7 @@ def test_a_wrong_draft_is_cut_at_its_first_wrong_token(tiny_bundles, frames):
         assert (chunk.stats["decode_steps"], chunk.stats["draft_accepted"]) == (steps, n - 1 - steps), f"wrong token at {j}"
         # the rejected rows' K/V was overwritten: the next frame decodes the same as without a draft
         assert drafted.infer(frames[2]).stats["action_tokens"] == plain.infer(frames[2]).stats["action_tokens"]
-    drafted._draft = list(truth)
+    drafted._draft, drafted._draft_key = list(truth), (obs.episode, obs.instruction)
     full = drafted.infer(obs)
     assert full.stats["draft_accepted"] == n - 1 and full.stats["decode_steps"] == 0
 

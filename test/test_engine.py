@@ -274,6 +274,27 @@ def test_a_plan_run_again_reuses_its_masks_only_while_the_cache_still_matches(mo
     assert torch.equal(eng.forward(y, kept).hidden, moved)
 
 
+def test_a_forward_that_fails_part_way_counts_as_a_write(model):
+    """A plan refused at layer 1 has written layer 0 already: a plan run again afterwards must
+    not trust what its memo kept (the same results as a fresh plan)."""
+    x, y = torch.randn(1, 40, 64), torch.randn(1, 8, 64)
+    eng = _engine(model)
+    eng.forward(x, _full_plan(40))
+    head = torch.arange(0, 4)
+    eng.cache.invalidate(head)  # keys 0-3 unreadable ...
+    rows = torch.arange(40, 48)
+    kept = StepPlan(slots=rows, positions=rows, output_slots=rows)
+    eng.forward(y, kept)
+    eng.forward(y, kept)  # ... in the masks the memo holds, with its "nothing changed" state
+    # ... until this forward writes them at layer 0 and is refused at layer 1
+    bad = StepPlan(slots=head, positions=head, layer_slots=[head] * 4, drop={1: torch.tensor([0])})
+    with pytest.raises(PlanError, match="still computed"):
+        eng.forward(torch.randn(1, 4, 64), bad)
+    again = eng.forward(y, kept).hidden
+    fresh = eng.forward(y, StepPlan(slots=rows, positions=rows, output_slots=rows)).hidden
+    assert torch.equal(again, fresh)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_a_plan_run_again_keeps_its_gathered_keys_only_while_nothing_else_wrote(model, cache_dtype):
     """A chunk attending to a prefix with holes (pruned tokens) gathers the readable keys; run

@@ -49,10 +49,11 @@ def test_pipelined_actions_equal_sequential_greedy(tiny_policies, steps):
     assert pipe.in_flight == 0
 
 
-def test_pipelined_cache_equals_sequential_cache(tiny_policies):
+@pytest.mark.parametrize("depth", [0, 1])  # 0: the decode's depth; 1: each frame takes back the region it frees
+def test_pipelined_cache_equals_sequential_cache(tiny_policies, depth):
     cfg = PolicyConfig(accel="cache", parity_check=False, cache={"relevance_mode": "off"})
     seq = sibling_policy(tiny_policies["ar"], cfg)
-    pipe = PipelinedAr(sibling_policy(tiny_policies["ar"], cfg))
+    pipe = PipelinedAr(sibling_policy(tiny_policies["ar"], cfg), **({"depth": depth} if depth else {}))
     frames = _frames(seq.spec, 8, roll=0)  # mostly static: the cache reuses
     ref = [seq.infer(f) for f in frames]
     got = _run(pipe, frames)

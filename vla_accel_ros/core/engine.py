@@ -265,6 +265,8 @@ class Engine:
         # (but for its own rows) while nothing else wrote the cache since its last forward.
         repeat = not differentiable and "writes" in memo
         clean = repeat and memo["writes"] == cache.writes
+        if not differentiable:  # counted before the first write too: a forward that raises part-way
+            cache.writes += 1  # has written some layers, and a plan run again must not trust its memo
         # ... and when this forward and that one computed every row at every layer with nothing
         # dropped, the valid flags are still what it left: their per-layer checks are skipped.
         uniform = plan.layer_slots is None and not plan.drop and hook is None

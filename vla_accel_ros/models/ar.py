@@ -119,6 +119,7 @@ class ArPolicy(PolicyBase):
         self.thresholds: Thresholds | None = None
         self._setup_memo(config)
         self._draft: list[int] | None = None  # the last chunk's action tokens (action_draft)
+        self._draft_key: tuple | None = None  # (episode, instruction) the draft was made in
 
     # -- reasoning reuse (MEMO-VLM) -----------------------------------------------------------------
     def check_config(self, config: PolicyConfig) -> None:
@@ -304,6 +305,10 @@ class ArPolicy(PolicyBase):
             n_hyp = len(extra)
             # The draft follows where the actions will start if the hypothesis holds.
             draft = self._draft if not self.reasoning_words or prev is not None else None  # set by action_draft only
+            if self._draft_key != (obs.episode, obs.instruction):
+                # Another episode or task: the old chunk says nothing about this one, and with a
+                # reduced-precision LM the tokens it confirms could differ from a fresh decode.
+                draft = None
             if draft is not None:
                 extra = extra + draft[:-1]
             ext = torch.arange(p0, p0 + len(extra))
@@ -337,7 +342,7 @@ class ArPolicy(PolicyBase):
         with timer.stage("postprocess"):
             actions = self._decode_actions(tokens)
         if self.config.action_draft == "previous":
-            self._draft = tokens
+            self._draft, self._draft_key = tokens, (obs.episode, obs.instruction)
         stats = plan_stats(plan, layout, out.computed_per_layer, self.planner.name, out.dropped)
         stats["action_tokens"] = tokens
         stats["draft_rows"] = 0 if draft is None else len(draft) - 1

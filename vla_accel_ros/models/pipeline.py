@@ -140,8 +140,12 @@ class PipelinedAr:
             ctx.source = self.source
             region = self._free.pop(0)
             base = region * self.region_len
-            self.cache.invalidate(torch.arange(base, base + self.region_len))
-            if self._last_region is not None and self._uses_cache():
+            # The token cache reuses the previous frame's prefix K/V: copied into this region,
+            # or kept where this region is that frame's own (depth 1 hands the region back).
+            same = region == self._last_region and self._uses_cache()
+            keep = layout.length if same else 0
+            self.cache.invalidate(torch.arange(base + keep, base + self.region_len))
+            if self._last_region is not None and self._uses_cache() and not same:
                 old = self._last_region * self.region_len
                 self.cache.copy_slots(old, base, layout.length)
         with timer.stage("select"):
