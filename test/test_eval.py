@@ -177,3 +177,24 @@ def test_measured_latency_lands_a_chunk_its_latency_after_its_frame():
     # never before the next tick; zero latency: the next tick
     assert landing_ns("measured", 100 * ms, 20 * ms, 10.0) == 100 * ms + 1
     assert landing_ns("zero", 100 * ms, 100 * ms, 58.0) == 100 * ms + 1
+
+
+def test_each_mode_is_warmed_up_once_outside_its_episodes(tiny_bundles, monkeypatch):
+    """A mode's first call (lazy packing, compiled graphs) happens before its first episode and
+    is not among the latencies; the episodes' results are what they would be without it."""
+    from vla_accel_ros.bench import eval as ev
+
+    calls = []
+    original = ev.warm_up
+    monkeypatch.setattr(ev, "warm_up", lambda robot, run, seed: calls.append((run.name, seed)) or original(robot, run, seed))
+    cfg = ev.EvalConfig(bundle=tiny_bundles["flow"], episodes=2, steps=8, modes=("baseline", "cache"), parity_check=False,
+                        num_threads=1, open_loop_episodes=0, height=120, width=160, seed=7)  # fmt: skip
+    warmed = ev.run_eval(cfg, progress=False)
+    assert calls == [("baseline", 7), ("cache", 7)]
+    for m in warmed["modes"].values():
+        assert len(m["per_episode"]) == 2 and m["latency_ms"]["p50"] > 0
+    monkeypatch.setattr(ev, "warm_up", lambda robot, run, seed: None)
+    cold = ev.run_eval(cfg, progress=False)
+    for name in ("baseline", "cache"):  # the warm-up leaves no state behind
+        assert warmed["modes"][name]["per_episode"] == cold["modes"][name]["per_episode"]
+        assert warmed["modes"][name]["inferences_per_episode"] == cold["modes"][name]["inferences_per_episode"]
