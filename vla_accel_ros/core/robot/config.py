@@ -9,7 +9,6 @@ Fields marked ``read_only`` change shapes, topics or threads and are fixed at st
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 from vla_accel_ros.core.config import Config, param

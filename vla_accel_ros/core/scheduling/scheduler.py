@@ -26,10 +26,10 @@ from vla_accel_ros.core.scheduling.config import SchedulerConfig
 from vla_accel_ros.core.scheduling.latency import LatencyTracker
 from vla_accel_ros.core.scheduling.metrics import MetricsRecorder, SchedulerMetrics
 from vla_accel_ros.core.errors import SchedulerError
-
-MAX_CHUNK_SPAN_S = 60.0  # longest time a chunk may cover (action chunks span ~0.2-2 s)
 from vla_accel_ros.core.scheduling.queue import ActionTimeline
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance
+
+MAX_CHUNK_SPAN_S = 60.0  # longest time a chunk may cover (action chunks span ~0.2-2 s)
 
 _HOLD = -1  # label of a tick that commanded no planned action
 
