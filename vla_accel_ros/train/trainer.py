@@ -193,6 +193,12 @@ class Trainer:
         if same != mine:
             diff = sorted(k for k in same if same[k] != mine[k])
             raise ConfigError(f"{d}: the checkpoint was trained with other settings ({', '.join(diff)}); use a new --out")
+        if saved.epochs != self.cfg.epochs:  # allowed (extending a run), but the steps so far had another schedule
+            print(
+                f"resuming with --epochs {self.cfg.epochs} (the checkpoint's run: {saved.epochs}): the cosine learning-rate "
+                "schedule changes from here on, so this is not the run an uninterrupted training with these settings "
+                "gives", file=sys.stderr,
+            )  # fmt: skip
         self.model.load_state_dict(load_file(str(d / "model.safetensors")))
         tensors = load_file(str(d / "optimizer.safetensors"))
         state: dict[int, dict] = {}
