@@ -303,3 +303,34 @@ def test_cli_record_and_inspect(tmp_path: Path, capsys) -> None:
     )
     assert not (tmp_path / "b").exists()
     assert main(["bag", "inspect", str(tmp_path / "missing")]) == 2
+
+
+def test_a_nonfinite_first_joint_reading_rejects_one_sample_as_live(tmp_path: Path) -> None:
+    """A glitched (NaN) first reading is not a layout error: the live rule rejects that one
+    observation and goes on, and so does the bag reader (it raised and lost the whole bag)."""
+    lay = TopicLayout()
+    names = ARM_JOINTS + ("left_finger",)
+    bag = tmp_path / "b"
+    with BagWriter(bag) as w:
+        for k in range(4):
+            s = 1_000_000_000 + k * 20_000_000
+            if k == 0:
+                w.write_int32(lay.episode_topic, s, 0)
+            w.write_image(lay.image_topic("cam_high"), s, np.full((8, 8, 3), k, np.uint8))
+            for t in lay.joint_state_topics:
+                pos = np.full(8, 0.1)
+                pos[0] = np.nan if k == 0 else 0.1
+                w.write_joint_state(t, s, names, pos)
+            w.write_joint_state(lay.action_topic, s, ACTION_NAMES, np.zeros(14))
+    with BagReader(bag) as r:
+        samples = list(r.samples())
+        assert len(samples) == 3 and r.skipped.get("no_state") == 1
+    # A joint the messages never name is still a layout error.
+    bad = tmp_path / "bad"
+    with BagWriter(bad) as w:
+        s = 1_000_000_000
+        w.write_image(lay.image_topic("cam_high"), s, np.zeros((8, 8, 3), np.uint8))
+        for t in lay.joint_state_topics:
+            w.write_joint_state(t, s, names[1:], np.full(7, 0.1))
+    with BagReader(bad) as r, pytest.raises(BagError, match="lacks joint"):
+        list(r.samples())

@@ -97,3 +97,37 @@ def test_train_cli_bundle_loads_passes_parity_and_resumes_exactly(demo_bag, tmp_
         sample = next(iter(bag.samples()))
     chunk = policy.infer(sample.observation)
     assert chunk.actions.shape == (4, 14) and np.isfinite(chunk.actions).all()
+
+
+def _marker_bag(path, markers: dict[int, int], ticks: int = 6):
+    """A small bag: a frame, both joint states and an action per 20 ms tick; ``markers``: tick
+    -> episode index announced there (with an instruction)."""
+    from vla_accel_ros.core.robot.topics import TopicLayout
+    from vla_accel_ros.io.bag_file import ACTION_NAMES, ARM_JOINTS
+    from vla_accel_ros.io.bag_writer import BagWriter
+
+    lay = TopicLayout()
+    with BagWriter(path) as w:
+        for k in range(ticks):
+            s = 1_000_000_000 + k * 20_000_000
+            if k in markers:
+                w.write_int32(lay.episode_topic, s, markers[k])
+                w.write_string(lay.instruction_topic, s, "do it")
+            w.write_image(lay.image_topic("cam_high"), s, np.full((8, 8, 3), k, np.uint8))
+            for t in lay.joint_state_topics:
+                w.write_joint_state(t, s, ARM_JOINTS + ("left_finger",), np.full(8, k * 0.01))
+            w.write_joint_state(lay.action_topic, s, ACTION_NAMES, np.full(14, float(k)))
+    return path
+
+
+@pytest.mark.parametrize("markers", [{0: 0, 3: 0}, {0: 0, 3: 1}], ids=["repeated index", "two"])
+def test_every_episode_marker_starts_an_episode_and_targets_stay_inside_it(tmp_path, markers):
+    """A marker that repeats the previous index (a restarted simulator) still splits: the last
+    frame's chunk target never reaches into the next episode's actions (padded and masked)."""
+    from vla_accel_ros.train.data import ChunkDataset, read_episodes
+
+    bag = _marker_bag(tmp_path / "bag", markers)
+    eps = read_episodes([bag], ("cam_high",), 8, progress=False)
+    assert [len(e.actions) for e in eps] == [3, 3]
+    batch = ChunkDataset(eps, chunk_size=3).batch(np.array([2]))  # the first episode's last frame
+    assert batch.actions[0, 0, 0] == 2.0 and batch.valid[0].tolist() == [True, False, False]

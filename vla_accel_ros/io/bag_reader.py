@@ -70,12 +70,15 @@ class BagSample:
     (a simulated tick's own action), or None.
     qvel: [14] joint velocities when the joint states carry them, else None.
     stamps: topic -> bag timestamp of the message used, to measure skew.
+    segment: episode markers read before it (0: before the first): a new value starts a new
+    episode even where a marker repeats the previous index (a restarted simulator).
     """
 
     observation: Observation
     action: np.ndarray | None
     qvel: np.ndarray | None
     stamps: dict[str, int] = field(default_factory=dict)
+    segment: int = 0
 
 
 @dataclass
@@ -246,11 +249,13 @@ class BagReader(BagFile):
         latest: dict[str, BagMessage] = {}  # per topic, within the episode: stamps, velocities, action
         # Within one timestamp: episode marker, instruction, joint states and actions, frames.
         order = {lay.episode_topic: 0, lay.instruction_topic: 1, **{t: 3 for t in camera_of}}
+        segment = 0
         for group in _same_stamp(self.messages(list(camera_of) + joint_topics + optional)):
             for m in sorted(group, key=lambda m: order.get(m.topic, 2)):
                 if m.topic == lay.episode_topic:
                     builder.begin_episode(int(m.data))
                     latest.clear()
+                    segment += 1
                 elif m.topic == lay.instruction_topic:
                     builder.set_instruction(str(m.data))
                 elif m.topic in joint_index:
@@ -264,16 +269,19 @@ class BagReader(BagFile):
                     no_state = builder.rejects.get("no_state", 0)
                     obs = builder.frame(camera_of[m.topic], m.data, m.sensor_ns, m.stamp_ns)
                     if obs is not None:
-                        yield self._sample(obs, latest, list(camera_of) + joint_topics)
+                        yield self._sample(obs, latest, list(camera_of) + joint_topics, segment)
                     elif builder.rejects.get("no_state", 0) > no_state and all(t in latest for t in joint_topics):
-                        # Every joint-state topic has spoken and a joint is still missing: the
-                        # bag's JointStates do not name the robot's joints (a layout error).
-                        missing = ", ".join(builder.state.missing())
-                        raise BagError(f"{', '.join(joint_topics)}: JointState lacks joint(s) {missing}")
+                        # Every joint-state topic has spoken and a joint is still missing: unless
+                        # its readings were only NaN / inf so far (one sample rejected, as live),
+                        # the bag's JointStates do not name the robot's joints (a layout error).
+                        nonfinite = set(builder.state.assembler.nonfinite())
+                        absent = [n for n in builder.state.missing() if n not in nonfinite]
+                        if absent:
+                            raise BagError(f"{', '.join(joint_topics)}: JointState lacks joint(s) {', '.join(absent)}")
                 else:
                     latest[m.topic] = m  # the action
 
-    def _sample(self, obs: Observation, latest: dict[str, BagMessage], used: list[str]) -> BagSample:
+    def _sample(self, obs: Observation, latest: dict[str, BagMessage], used: list[str], segment: int) -> BagSample:
         stamps = {t: latest[t].stamp_ns for t in used}
         qvel = action = None
         vels = [self._velocity(latest[t].data) for t in used if latest[t].msgtype == JOINT_STATE]
@@ -283,7 +291,7 @@ class BagReader(BagFile):
         if act is not None:
             action = self._action(act.data)
             stamps[self.layout.action_topic] = act.stamp_ns
-        return BagSample(observation=obs, action=action, qvel=qvel, stamps=stamps)
+        return BagSample(observation=obs, action=action, qvel=qvel, stamps=stamps, segment=segment)
 
     @staticmethod
     def _velocity(js: JointStateMsg) -> np.ndarray | None:

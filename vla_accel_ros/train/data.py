@@ -107,15 +107,15 @@ def read_episodes(
                 raise BagError(f"{path} has no camera(s) {', '.join(missing)}; it has {', '.join(sorted(have))}")
             total = bag.topics[have[cameras[0]]].count
             bar = tqdm(total=total, desc=f"reading {Path(path).name}", unit="frame", disable=not progress, leave=False)
-            episode = None
+            segment = None
             for sample in bag.samples(SyncConfig(cameras=tuple(cameras), image_size=image_size)):
                 bar.update(1)
                 obs = sample.observation
                 if sample.action is None or obs.state is None:
                     raise BagError(f"{path}: behaviour cloning needs recorded actions and joint states at every frame")
-                if episode != obs.episode:
-                    episode = obs.episode
-                    parts.append({"source": f"{path}#{episode}", "instruction": obs.instruction, "f": [], "s": [], "a": []})
+                if segment != sample.segment:  # every episode marker starts one, even with a repeated index
+                    segment = sample.segment
+                    parts.append({"source": f"{path}#{obs.episode}", "instruction": obs.instruction, "f": [], "s": [], "a": []})
                 cur = parts[-1]
                 cur["f"].append(np.stack([obs.images[c] for c in cameras]))  # [C, S, S, 3], resized by the rule
                 cur["s"].append(np.asarray(obs.state, np.float32))
