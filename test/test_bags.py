@@ -334,3 +334,18 @@ def test_a_nonfinite_first_joint_reading_rejects_one_sample_as_live(tmp_path: Pa
             w.write_joint_state(t, s, names[1:], np.full(7, 0.1))
     with BagReader(bad) as r, pytest.raises(BagError, match="lacks joint"):
         list(r.samples())
+
+
+def test_inspect_orders_one_tick_as_the_samples_do(tmp_path: Path) -> None:
+    """A tick's episode marker written after its frame (same stamp) still opens the episode the
+    frame belongs to, in the inspector as in samples()."""
+    lay = TopicLayout()
+    bag = tmp_path / "b"
+    with BagWriter(bag) as w:
+        for k in range(4):
+            s = 1_000_000_000 + k * 20_000_000
+            w.write_image(lay.image_topic("cam_high"), s, np.zeros((8, 8, 3), np.uint8))
+            if k in (0, 2):
+                w.write_int32(lay.episode_topic, s, k // 2)
+    with BagReader(bag) as r:
+        assert [(e.index, e.frames) for e in episodes(r)] == [(0, 2), (1, 2)]

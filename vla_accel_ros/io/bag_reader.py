@@ -250,7 +250,7 @@ class BagReader(BagFile):
         # Within one timestamp: episode marker, instruction, joint states and actions, frames.
         order = {lay.episode_topic: 0, lay.instruction_topic: 1, **{t: 3 for t in camera_of}}
         segment = 0
-        for group in _same_stamp(self.messages(list(camera_of) + joint_topics + optional)):
+        for group in same_stamp(self.messages(list(camera_of) + joint_topics + optional)):
             for m in sorted(group, key=lambda m: order.get(m.topic, 2)):
                 if m.topic == lay.episode_topic:
                     builder.begin_episode(int(m.data))
@@ -309,7 +309,7 @@ class BagReader(BagFile):
         raise BagError(f"{self.layout.action_topic}: expected joints {want}, got {got}")
 
 
-def _same_stamp(messages: Iterable[BagMessage]) -> Iterator[list[BagMessage]]:
+def same_stamp(messages: Iterable[BagMessage]) -> Iterator[list[BagMessage]]:
     """Runs of messages that share one bag timestamp."""
     group: list[BagMessage] = []
     for m in messages:
