@@ -346,8 +346,7 @@ class Engine:
                     cache.invalidate(drop, from_layer=l + 1)
                     dropped_at[l + 1] = drop
 
-        if not differentiable:
-            cache.writes += 1
+        if not differentiable:  # this forward's write was counted before its first layer
             memo["writes"], memo["uniform"] = cache.writes, uniform
         hidden = None
         if plan.output_slots is not None:

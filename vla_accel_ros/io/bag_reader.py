@@ -247,39 +247,36 @@ class BagReader(BagFile):
         optional = [t for t in (lay.action_topic, lay.instruction_topic, lay.episode_topic) if t in here]
         builder = self._builder = ObservationBuilder(names, sync, self.robot if joint_topics else None)
         latest: dict[str, BagMessage] = {}  # per topic, within the episode: stamps, velocities, action
-        # Within one timestamp: episode marker, instruction, joint states and actions, frames.
-        order = {lay.episode_topic: 0, lay.instruction_topic: 1, **{t: 3 for t in camera_of}}
         segment = 0
-        for group in same_stamp(self.messages(list(camera_of) + joint_topics + optional)):
-            for m in sorted(group, key=lambda m: order.get(m.topic, 2)):
-                if m.topic == lay.episode_topic:
-                    builder.begin_episode(int(m.data))
-                    latest.clear()
-                    segment += 1
-                elif m.topic == lay.instruction_topic:
-                    builder.set_instruction(str(m.data))
-                elif m.topic in joint_index:
-                    js = m.data
-                    if js.position.size != len(js.names):
-                        raise BagError(f"{m.topic}: {len(js.names)} names but {js.position.size} positions")
-                    builder.joint_state(joint_index[m.topic], js.names, js.position, m.sensor_ns)
-                    latest[m.topic] = m
-                elif m.topic in camera_of:
-                    latest[m.topic] = m
-                    no_state = builder.rejects.get("no_state", 0)
-                    obs = builder.frame(camera_of[m.topic], m.data, m.sensor_ns, m.stamp_ns)
-                    if obs is not None:
-                        yield self._sample(obs, latest, list(camera_of) + joint_topics, segment)
-                    elif builder.rejects.get("no_state", 0) > no_state and all(t in latest for t in joint_topics):
-                        # Every joint-state topic has spoken and a joint is still missing: unless
-                        # its readings were only NaN / inf so far (one sample rejected, as live),
-                        # the bag's JointStates do not name the robot's joints (a layout error).
-                        nonfinite = set(builder.state.assembler.nonfinite())
-                        absent = [n for n in builder.state.missing() if n not in nonfinite]
-                        if absent:
-                            raise BagError(f"{', '.join(joint_topics)}: JointState lacks joint(s) {', '.join(absent)}")
-                else:
-                    latest[m.topic] = m  # the action
+        for m in in_tick_order(self.messages(list(camera_of) + joint_topics + optional), lay, camera_of):
+            if m.topic == lay.episode_topic:
+                builder.begin_episode(int(m.data))
+                latest.clear()
+                segment += 1
+            elif m.topic == lay.instruction_topic:
+                builder.set_instruction(str(m.data))
+            elif m.topic in joint_index:
+                js = m.data
+                if js.position.size != len(js.names):
+                    raise BagError(f"{m.topic}: {len(js.names)} names but {js.position.size} positions")
+                builder.joint_state(joint_index[m.topic], js.names, js.position, m.sensor_ns)
+                latest[m.topic] = m
+            elif m.topic in camera_of:
+                latest[m.topic] = m
+                no_state = builder.rejects.get("no_state", 0)
+                obs = builder.frame(camera_of[m.topic], m.data, m.sensor_ns, m.stamp_ns)
+                if obs is not None:
+                    yield self._sample(obs, latest, list(camera_of) + joint_topics, segment)
+                elif builder.rejects.get("no_state", 0) > no_state and all(t in latest for t in joint_topics):
+                    # Every joint-state topic has spoken and a joint is still missing: unless
+                    # its readings were only NaN / inf so far (one sample rejected, as live),
+                    # the bag's JointStates do not name the robot's joints (a layout error).
+                    nonfinite = set(builder.state.assembler.nonfinite())
+                    absent = [n for n in builder.state.missing() if n not in nonfinite]
+                    if absent:
+                        raise BagError(f"{', '.join(joint_topics)}: JointState lacks joint(s) {', '.join(absent)}")
+            else:
+                latest[m.topic] = m  # the action
 
     def _sample(self, obs: Observation, latest: dict[str, BagMessage], used: list[str], segment: int) -> BagSample:
         stamps = {t: latest[t].stamp_ns for t in used}
@@ -309,7 +306,16 @@ class BagReader(BagFile):
         raise BagError(f"{self.layout.action_topic}: expected joints {want}, got {got}")
 
 
-def same_stamp(messages: Iterable[BagMessage]) -> Iterator[list[BagMessage]]:
+def in_tick_order(messages: Iterable[BagMessage], layout: TopicLayout, frame_topics: Iterable[str]) -> Iterator[BagMessage]:
+    """``messages`` (in bag order) with those of one timestamp in a simulated tick's order: the
+    ending episode's outcome, the next episode's marker, its instruction, joint states and
+    actions, then frames, so a tick is never split (whatever order they were written in)."""
+    rank = {layout.success_topic: -1, layout.episode_topic: 0, layout.instruction_topic: 1, **{t: 3 for t in frame_topics}}
+    for group in _same_stamp(messages):
+        yield from sorted(group, key=lambda m: rank.get(m.topic, 2))
+
+
+def _same_stamp(messages: Iterable[BagMessage]) -> Iterator[list[BagMessage]]:
     """Runs of messages that share one bag timestamp."""
     group: list[BagMessage] = []
     for m in messages:

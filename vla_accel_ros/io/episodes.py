@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vla_accel_ros.core.errors import BagError
-from vla_accel_ros.io.bag_reader import BagReader, same_stamp
+from vla_accel_ros.io.bag_reader import BagReader, in_tick_order
 
 
 @dataclass
@@ -32,14 +32,8 @@ def episodes(bag: BagReader, camera: str = "") -> list[EpisodeSummary]:
     ]
     out: list[EpisodeSummary] = []
     cur: EpisodeSummary | None = None
-    # Within one timestamp as BagReader.samples orders it (a tick's marker before its frame),
-    # with the ending episode's outcome before the next one's marker.
-    rank = {lay.success_topic: -1, lay.episode_topic: 0, lay.instruction_topic: 1, cam_topic: 3}
-    ordered = (
-        m for group in same_stamp(bag.messages(wanted, raw=[cam_topic] if cam_topic else []))  # frames only counted
-        for m in sorted(group, key=lambda m: rank.get(m.topic, 2))
-    )  # fmt: skip
-    for m in ordered:
+    frames = [cam_topic] if cam_topic else []  # only counted: read raw
+    for m in in_tick_order(bag.messages(wanted, raw=frames), lay, frames):  # as samples() orders them
         if m.topic == lay.episode_topic or cur is None:
             index = int(m.data) if m.topic == lay.episode_topic else 0
             cur = EpisodeSummary(index, m.stamp_ns, m.stamp_ns, None, None, 0)
