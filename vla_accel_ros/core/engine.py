@@ -151,6 +151,9 @@ class StepPlan:
         layer); None returns nothing.
     taps: optional attention taps.
     prune: optional hook that drops rows during the forward (its layers must be tapped).
+    key_window: every key the rows may read lies in slots [0, key_window), the same window
+        at every call of the plan (a flow policy's Euler steps); a compiled step then reads
+        only that window. None: the whole cache (a compiled decode step, whose keys grow).
     """
 
     slots: torch.Tensor
@@ -160,6 +163,7 @@ class StepPlan:
     output_slots: torch.Tensor | None = None
     taps: TapSpec | None = None
     prune: PruneHook | None = None
+    key_window: int | None = None
     # The engine's scratch for this plan (rotary rows, the attention rows of the cache layout,
     # each layer's key window, mask and gather), kept when the same plan runs again, e.g. a
     # flow policy's Euler steps; every entry is checked against the cache before it is used.

@@ -138,7 +138,7 @@ class FlowPolicy(PolicyBase):
         """The expert pass's plan over a prefix of ``length`` slots: the chunk's rows after it.
         One plan serves every Euler step of a chunk (the engine keeps its masks between them)."""
         slots = torch.arange(length, length + self.spec.chunk_size)
-        return StepPlan(slots=slots, positions=slots, output_slots=slots)
+        return StepPlan(slots=slots, positions=slots, output_slots=slots, key_window=length + self.spec.chunk_size)
 
     def velocity(
         self, x_t: torch.Tensor, t: float, length: int, *, differentiable: bool = False, plan: StepPlan | None = None

@@ -201,8 +201,8 @@ class FusedLinear:
 
     Not a module: the members keep their parameters (the state_dict is unchanged) and still
     run alone; their ``fused`` attribute points here. The int8 form costs a second int8 copy
-    of the members' weights. Calls needing a gradient, compiled graphs, and bf16 without
-    oneDNN run the members one by one. The stacked weights are taken once: a converted model's
+    of the members' weights. Calls needing a gradient, int8 / hybrid layers in compiled graphs,
+    and bf16 without oneDNN run the members one by one. The stacked weights are taken once: a converted model's
     weights are fixed (loading new weights means converting again), as for ``Int8Linear``."""
 
     def __init__(self, members: list[nn.Module], originals: list[nn.Linear]) -> None:
@@ -237,6 +237,14 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor, *, low: bool = False) -> tuple[torch.Tensor, ...]:
         """Each member's output of ``x``; with ``low`` the bf16 path leaves them in bf16."""
+        if torch.compiler.is_compiling() and self._int8 is None:
+            # In a graph: one matmul over the stacked weights, which a frozen graph (CPU:
+            # core.compiled) folds into one constant and prepacks once.
+            bias = None
+            if any(m.bias is not None for m in self._bf16):
+                bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in self._bf16])
+            y = F.linear(x.to(torch.bfloat16), torch.cat([m.weight for m in self._bf16]), bias)
+            return (y if low else y.to(x.dtype)).split(self.sizes, -1)
         if torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
             return tuple(m(x) for m in self.members)
         if self._int8 is not None and (self._bf16 is None or x.numel() <= self._few_rows * self.in_features):
