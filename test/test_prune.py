@@ -127,7 +127,7 @@ def test_fine_motion_keeps_more_tokens(tiny_policies):
 def test_cache_plus_prune_equals_each_alone_when_the_other_is_off(family, tiny_policies):
     base = tiny_policies[family]
     no_prune = {"keep_global": 256, "keep_local": 256, "keep_dynamic": 256, "dynamic_layers": ()}
-    no_cache = {"sim_threshold": 1.0, "max_relative_change": 0.0}
+    no_cache = {"topk_reuse": 0}  # nothing reused
     pairs = [
         (PolicyConfig(accel="cache+prune", parity_check=False, prune=no_prune, cache={"relevance_mode": "off"}),
          PolicyConfig(accel="cache", parity_check=False, cache={"relevance_mode": "off"})),
@@ -145,17 +145,30 @@ def test_cache_plus_prune_equals_each_alone_when_the_other_is_off(family, tiny_p
     assert a.stats["reused_tokens"] > 0 or "reused_tokens" not in b.stats
 
 
-def test_cache_never_reuses_a_token_pruning_dropped(tiny_policies):
-    policy = sibling_policy(
-        tiny_policies["flow"], PolicyConfig(accel="cache+prune", parity_check=False, cache={"relevance_mode": "off"})
-    )
+@pytest.mark.parametrize("family", ["ar", "flow"])
+def test_a_pruned_static_token_is_reused_below_its_drop_layer_only(family, tiny_policies):
+    """A token pruning dropped at layer d keeps its K/V below d. While its patch stays static it
+    is reused there and absent from d on: no row at any layer (reuse from layer 0), never
+    attended at d and after (the cache's valid flags), counted as dropped."""
+    cache = {"relevance_mode": "off", "topk_reuse": 256, "force_recompute_layers": 0}
+    policy = sibling_policy(tiny_policies[family], PolicyConfig(accel="cache+prune", parity_check=False, cache=cache))
     frames = _frames(policy, 2)
     policy.infer(frames[0])
-    dropped = ~policy.planner.last_kept  # [C, T]
-    policy.infer(frames[1])
-    reused = policy.planner.reuse.last.reused  # [C, T]
-    assert dropped.any() and reused.any()
-    assert not (dropped & reused).any()  # their deep K/V is gone: recomputed before any reuse
+    drop_layer = policy.planner.last_drop_layer.clone()  # [C, T] first layer without the token (L: kept)
+    L = policy.num_layers
+    chunk = policy.infer(frames[1])
+    sel = policy.planner.reuse.last
+    carried = (drop_layer < L) & sel.reused  # dropped in frame 0, reused in frame 1
+    assert carried.any()
+    assert (sel.reuse_start[carried] == 0).all()  # no row at any layer
+    layout, _ = policy.layout_for(frames[1].instruction)
+    slots = layout.image_slots().reshape(drop_layer.shape)[carried]
+    valid = policy.cache.valid  # [L, S]
+    for slot, d in zip(slots.tolist(), drop_layer[carried].tolist()):
+        assert not valid[d:, slot].any() and valid[:d, slot].all()
+    assert not (policy.planner.last_kept & carried).any()
+    assert chunk.stats["image_kept_per_layer"][-1] <= 256 - int(carried.sum())
+    assert chunk.stats["prune_absent"] >= int(carried.sum())
 
 
 @pytest.mark.parametrize("family", ["ar", "flow"])
@@ -165,17 +178,18 @@ def test_over_the_cache_pruning_drops_computed_tokens_only(family, tiny_policies
     cfg = PolicyConfig(accel="cache+prune", parity_check=False, cache={"relevance_mode": "off", "topk_reuse": 256})
     policy = sibling_policy(tiny_policies[family], cfg)
     frames = _frames(policy, 4)
-    policy.infer(frames[0])
-    reused_counts = []
+    recalled = policy.infer(frames[0]).stats["prune_recalled"]
     for obs in frames[1:]:
         chunk = policy.infer(obs)
-        reused = policy.planner.reuse.last.reused  # [C, T]
-        dropped = ~policy.planner.last_kept
+        sel = policy.planner.reuse.last
+        reused = sel.reused  # [C, T]
+        dropped = policy.planner.last_drop_layer < policy.num_layers  # by this frame's forward
         assert reused.any() and dropped.any() and chunk.stats["tokens_pruned"] > 0
         assert not (reused & dropped).any()
-        reused_counts.append(int(reused.sum()))
-    # What one frame reuses stays usable: the reuse does not shrink while the scene stays static.
-    assert reused_counts[-1] >= reused_counts[0]
+        # Pruned or not, a static token stays reusable: it is recomputed only at its maximum
+        # reuse age or when the last frame's speculative layers asked for it back.
+        assert int((sel.static & ~reused).sum()) <= int(sel.aged.sum()) + recalled
+        recalled = chunk.stats["prune_recalled"]
 
 
 def test_prune_config_is_checked_against_the_model(tiny_policies):
@@ -215,7 +229,7 @@ def test_the_gate_fails_on_a_deliberately_broken_plan(tiny_policies, monkeypatch
 
     def drop_every_image_token(self, layer, attn):  # a planner bug: nothing left to look at
         original(self, layer, attn)
-        return self._drop(self.kept.clone()) if self.kept.any() else None
+        return self._drop(self.kept.clone(), layer) if self.kept.any() else None
 
     monkeypatch.setattr(pp._PruneHook, "__call__", drop_every_image_token)
     bad = run_parity(policy, accel_tolerance=tol)

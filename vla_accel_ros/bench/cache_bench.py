@@ -36,6 +36,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "entropy": {"layer_schedule": "entropy", "relevance_mode": "off", "topk_reuse": 256},
     # The paper's static rule alone: raw-pixel cosine, no intensity test, no scene cut.
     "paper-rule": {"max_relative_change": 1e6, "scene_cut_fraction": 0.0},
+    # The vision tower's work reused too (only the recomputed patches go through the encoder).
+    "vision": {"reuse_vision": True},
 }
 
 STAGES = ("preprocess", "select", "vision", "prefill", "reason", "decode", "denoise", "postprocess", "total")

@@ -67,11 +67,18 @@ class PrefixPlan:
 
     layer_slots: list[torch.Tensor]
     drop: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> slots pruned from it on
+    # layer -> reused slots with no K/V from that layer on (an earlier frame pruned them there):
+    # the engine has nothing to do for them, the statistics count them as dropped
+    absent: dict[int, torch.Tensor] = field(default_factory=dict)
     taps: TapSpec | None = None
     prune: PruneHook | None = None  # drops decided during the forward (pruning planners)
     full: bool = True  # every slot computed at every layer
     reset_reason: str = ""  # why the plan is a forced full recompute ("" if not)
     stats: dict[str, Any] = field(default_factory=dict)
+    # [C, T] bool: the image tokens whose vision-tower features are computed this frame, the
+    # others keeping the policy's cached ones (token cache with reuse_vision); None: the whole
+    # tower runs over every camera it needs, nothing cached.
+    vision_fresh: torch.Tensor | None = None
 
 
 @dataclass
@@ -134,9 +141,9 @@ def plan_stats(
     gone = torch.zeros(layout.length, dtype=torch.bool)
     dropped_per_layer, kept_per_layer, computed_img = [], [], []
     for l, slots in enumerate(plan.layer_slots):
-        d = (dropped or {}).get(l)
-        if d is not None:
-            gone[d[d < layout.length]] = True
+        for d in ((dropped or {}).get(l), plan.absent.get(l)):
+            if d is not None:
+                gone[d[d < layout.length]] = True
         n_gone = int(gone[lo:hi].sum())
         dropped_per_layer.append(n_gone)
         kept_per_layer.append(n_img - n_gone)

@@ -296,7 +296,7 @@ class ArPolicy(PolicyBase):
         rows = plan.layer_slots[0]
         with timer.stage("vision"):
             cams = self.image_rows(layout, rows)
-            full = self.prefix_embeddings(obs, layout, ids, frames.pixels, cams)
+            full = self.prefix_embeddings(obs, layout, ids, frames.pixels, cams, plan.vision_fresh)
         with timer.stage("prefill"):
             p0 = layout.length
             prev = self._hypothesis(obs) if self.reasoning_words else None

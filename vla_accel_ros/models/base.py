@@ -33,6 +33,7 @@ from vla_accel_ros.models.common import (
     format_instruction,
     preprocess_frames,
 )
+from vla_accel_ros.models.vision import VisionCache
 
 
 def make_planner(config: PolicyConfig) -> PrefixPlanner:
@@ -111,6 +112,7 @@ class PolicyBase:
         self._layouts: dict[str, tuple[PrefixLayout, list[int]]] = {}
         self._static: dict[str, torch.Tensor] = {}
         self._chunk_id = 0
+        self._vision_cache: VisionCache | None = None  # built by the first plan that reuses vision features
         self.bundle_path = ""
         self.motion_mode = MOTION_MODES[0]
         # Names this policy's KV cache in every PrefixContext (a counter, never reused like id()).
@@ -237,9 +239,15 @@ class PolicyBase:
         return hit
 
     @torch.inference_mode()
-    def prefix_embeddings(self, obs: Observation, layout: PrefixLayout, ids: list[int], pixels: torch.Tensor, cams: list[int]) -> torch.Tensor:
+    def prefix_embeddings(
+        self, obs: Observation, layout: PrefixLayout, ids: list[int], pixels: torch.Tensor, cams: list[int],
+        fresh: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """[P, H] prefix embeddings. Only cameras in ``cams`` go through the vision tower: the
-        image rows of the others are not computed this step, so their values are never read."""
+        image rows of the others are not computed this step, so their values are never read.
+        ``fresh`` (a plan's ``vision_fresh``, [C, T] bool): only those patches go through the
+        tower, the others take the embeddings the policy's vision cache holds; None: every
+        patch of ``cams``, the stock tower's forward."""
         static = self._static.get(obs.instruction)
         if static is None:
             static = self._static_prefix(layout, ids)
@@ -248,7 +256,12 @@ class PolicyBase:
             self._static[obs.instruction] = static
         full = static.clone()
         if cams:
-            img = self.model.vis(pixels[cams])  # [c, G*G, H]
+            if fresh is None:
+                img = self.model.vis(pixels[cams])  # [c, G*G, H]
+            else:
+                if self._vision_cache is None:
+                    self._vision_cache = VisionCache(self.model.vis, len(layout.cameras))
+                img = self._vision_cache.embed(pixels[cams], cams, fresh)
             for j, cam in enumerate(cams):
                 full[layout.image_slots(cam)] = img[j]
         self._dynamic_rows(full, obs, layout)
@@ -314,6 +327,8 @@ class PolicyBase:
 
     def reset(self) -> None:
         self.planner.reset("explicit")
+        if self._vision_cache is not None:
+            self._vision_cache.reset()
         self._chunk_id = 0
 
     @staticmethod

@@ -203,7 +203,7 @@ class FlowPolicy(PolicyBase):
             plan = self.planner.plan(ctx)
         rows = plan.layer_slots[0]
         with timer.stage("vision"):
-            full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.image_rows(layout, rows))
+            full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.image_rows(layout, rows), plan.vision_fresh)
         with timer.stage("prefill"):
             step = StepPlan(
                 slots=rows, positions=rows, layer_slots=plan.layer_slots, drop=plan.drop, taps=plan.taps, prune=plan.prune

@@ -152,7 +152,7 @@ class PipelinedAr:
             plan = self.planner.plan(ctx)
         with timer.stage("vision"):
             rows = plan.layer_slots[0]
-            full = pol.prefix_embeddings(obs, layout, ids, frames.pixels, pol.image_rows(layout, rows))
+            full = pol.prefix_embeddings(obs, layout, ids, frames.pixels, pol.image_rows(layout, rows), plan.vision_fresh)
         frame = _Frame(obs, region, layout.length, [], t0, self._calls - 1, self._busy_ns)
         with timer.stage("prefill"):
             out, extra = self._packed(plan, full[rows], base, layout)

@@ -87,6 +87,12 @@ class CacheConfig(Config):
         "code's 2, 6, 9, 11); empty: every layer from force_recompute_layers on",
         range=(0, 1023),
     )
+    reuse_vision: bool = param(
+        False,
+        doc="also reuse the vision tower's work: only the patches the frame recomputes at every decoder layer "
+        "(changed, aged, evicted, capped) run through the vision encoder, the others keep the encoder K/V and "
+        "image-token embeddings of the frame that last computed them",
+    )
     # -- lifecycle ------------------------------------------------------------------------------
     scene_cut_fraction: float = param(
         0.5, doc="a camera whose fraction of static patches falls below this (most patches changed: a view "

@@ -12,7 +12,9 @@ token's reference patch is replaced only when the token was computed at *every* 
 step. A token reused at some layer keeps its old reference, because its deep-layer K/V still
 come from that frame (or from frames that were themselves within threshold of it). So slow
 drift is measured against what is cached and cannot accumulate unseen, and the max reuse age
-bounds how old any cached K/V can get.
+bounds how old any cached K/V can get. Pruning (``cache+prune``) cuts a token's K/V short at
+the layer it drops it: the cache keeps each token's depth and reuses such a token below it
+only, absent above (``PrefixPlan.absent``).
 
 What is exact and what is not: ``ar`` (causal) image tokens only see BOS and earlier image
 tokens, so reusing an unchanged prefix is exact and BOS is always reusable once computed; the
@@ -105,8 +107,8 @@ class TokenCachePlanner:
         self._ref: torch.Tensor | None = None  # [C, T, D] reference patches (whose K/V is cached)
         self._ref_norm: torch.Tensor | None = None  # [C, T]
         self._age: torch.Tensor | None = None  # [C, T] consecutive frames reused
-        # [C, T] the token's K/V is complete at every layer (False once pruning dropped it)
-        self._usable: torch.Tensor | None = None
+        # [C, T] the layers [0, depth) hold the token's K/V (L: all; less once pruning dropped it)
+        self._depth: torch.Tensor | None = None
         self._relevance: torch.Tensor | None = None  # [C, T] previous step's text-to-image attention
         self._entropy: list[float] | None = None  # previous step's per-layer attention entropy
         self._pending = None
@@ -141,7 +143,9 @@ class TokenCachePlanner:
         return ""
 
     # -- planning -----------------------------------------------------------------------------
-    def plan(self, ctx: PrefixContext) -> PrefixPlan:
+    def plan(self, ctx: PrefixContext, recompute: torch.Tensor | None = None) -> PrefixPlan:
+        """``recompute``: [C, T] bool, tokens not to reuse this frame (pruning wants back tokens
+        it dropped earlier)."""
         cfg, lay = self.config, ctx.layout
         L, C, T = lay.num_layers, len(lay.cameras), lay.tokens_per_camera
         cfg.check_layers(L)
@@ -162,7 +166,7 @@ class TokenCachePlanner:
         taps = self._taps(lay)
         never = torch.full((C, T), L, dtype=torch.long)
 
-        s = None if reason else self._select(lay, patches, norms)
+        s = None if reason else self._select(lay, patches, norms, recompute)
         if s is not None and bool(s.scene_cut.all()):
             reason = "scene_cut"  # every camera changed: recompute everything, refresh all references
         if reason:
@@ -175,6 +179,9 @@ class TokenCachePlanner:
                 s = Selection(s.similarity, s.static, s.scene_cut, no, no, no, never, [0.0] * L)
             self.last = s
             plan.stats = self._stats(s, fixed_reused=0)
+            if cfg.reuse_vision:  # every patch through the tower, its state cached for the next frames
+                plan.vision_fresh = torch.ones(C, T, dtype=torch.bool)
+                plan.stats["vision_reused"] = 0
             self._pending = _Pending(plan, patches, norms, never, torch.ones(C, dtype=torch.bool), reset=True)
             return plan
 
@@ -194,13 +201,19 @@ class TokenCachePlanner:
                 rows = layer_slots[-1]
             layer_slots.append(rows)
         full = all(r.numel() == lay.length for r in layer_slots)
-        plan = PrefixPlan(layer_slots=layer_slots, taps=taps, full=full)
+        plan = PrefixPlan(layer_slots=layer_slots, taps=taps, full=full, absent=self._absent(lay, s))
         plan.stats = self._stats(s, fixed_reused=int(fixed.numel()))
+        if cfg.reuse_vision:
+            # Tokens computed at every decoder layer are the ones whose pixels changed (or aged,
+            # evicted, capped): the same set needs new vision features; a reused token's
+            # features stay those of the frame whose K/V it carries.
+            plan.vision_fresh = s.reuse_start >= L
+            plan.stats["vision_reused"] = int((~plan.vision_fresh).sum())
         self.last = s
         self._pending = _Pending(plan, patches, norms, s.reuse_start, s.scene_cut, reset=False)
         return plan
 
-    def _select(self, lay: PrefixLayout, patches: torch.Tensor, norms: torch.Tensor) -> Selection:
+    def _select(self, lay: PrefixLayout, patches: torch.Tensor, norms: torch.Tensor, recompute: torch.Tensor | None) -> Selection:
         cfg, L, T = self.config, lay.num_layers, lay.tokens_per_camera
         sim = sel.cosine(patches, norms, self._ref, self._ref_norm)  # [C, T]
         change = sel.relative_change(patches, self._ref, self._ref_norm)  # [C, T]
@@ -208,8 +221,12 @@ class TokenCachePlanner:
         # (exposure, gain), so the relative change must be small too.
         static = (sim >= cfg.sim_threshold) & (change <= cfg.max_relative_change)
         cut = static.float().mean(-1) < cfg.scene_cut_fraction  # [C]
-        static = static & self._usable
+        # A token pruning dropped at layer d still has K/V below d: reused there, it is absent
+        # from d on (as the frame that dropped it left it) and costs no row at all.
+        static = static & (self._depth > 0)
         cand = static & ~cut[:, None]
+        if recompute is not None:
+            cand = cand & ~recompute
         aged = cand & (self._age >= cfg.max_reuse_age)
         cand = cand & ~aged
         evicted = torch.zeros_like(cand)
@@ -231,6 +248,13 @@ class TokenCachePlanner:
         reused_at = counts[:, :, None] > rank[None]  # [L, C, T], monotone in l
         reuse_start = L - reused_at.sum(0)  # [C, T]
         return Selection(sim, static, cut, aged, evicted, capped, reuse_start, alpha)
+
+    def _absent(self, lay: PrefixLayout, s: Selection) -> dict[int, torch.Tensor]:
+        """Layer -> the reused image slots whose K/V end there (see PrefixPlan.absent)."""
+        L = lay.num_layers
+        end = torch.where(s.reused, torch.maximum(self._depth, s.reuse_start), L).reshape(-1)  # [C*T]
+        slots = lay.image_slots()
+        return {int(l): slots[end == l] for l in torch.unique(end[end < L]).tolist()}
 
     def _reusable_fixed(self, lay: PrefixLayout) -> torch.Tensor:
         """Fixed slots whose K/V depend on nothing else: causal, before every other token."""
@@ -270,11 +294,14 @@ class TokenCachePlanner:
             "relevance_available": self._relevance is not None,
         }
 
-    def forget(self, tokens: torch.Tensor) -> None:
-        """Tokens [C, T] (bool) whose K/V is no longer complete (pruning dropped them at some
-        layer): they are recomputed at every layer before they can be reused again."""
-        if self._usable is not None:
-            self._usable = self._usable & ~tokens
+    def truncate(self, drop_layer: torch.Tensor) -> None:
+        """After :meth:`update`: pruning dropped token (c, t) from layer ``drop_layer[c, t]`` on
+        ([C, T] int64; the depth for tokens not dropped): its K/V ends there. Reused later, it
+        stays absent from that layer on; recomputed at every layer, it is whole again."""
+        if self._depth is not None:
+            self._depth = torch.minimum(self._depth, drop_layer)
+
+
 
     # -- after the forward --------------------------------------------------------------------
     def update(self, ctx: PrefixContext, plan: PrefixPlan, taps: TapResult | None) -> None:
@@ -292,9 +319,10 @@ class TokenCachePlanner:
         if pend.reset:
             self._ref, self._ref_norm = pend.patches, pend.norms
             self._age = offsets.clone()
-            self._usable = torch.ones(C, T, dtype=torch.bool)
+            self._depth = torch.full((C, T), L, dtype=torch.long)
         else:
-            self._usable = self._usable | fresh
+            # Computed at every layer: whole. Reused from layer r: this frame wrote its K/V below r.
+            self._depth = torch.where(fresh, L, torch.maximum(self._depth, pend.reuse_start))
             self._ref = torch.where(fresh[..., None], pend.patches, self._ref)
             self._ref_norm = torch.where(fresh, pend.norms, self._ref_norm)
             # A camera refreshed wholesale (scene cut) is staggered again like after a reset.

@@ -18,9 +18,13 @@ token cache is told which tokens lost their deep K/V, so it never reuses them ne
 
 Over the token cache, pruning drops only tokens the frame computes at every layer (reused at
 none): a reused token costs no row, so dropping it would save little this frame and cost its
-reuse in the next ones (its K/V would be gone, and the token recomputed once a later frame
-keeps it). The keep counts rank every token (reused ones included); the layer-level ratio
-applies to the computed ones, and ``min_keep`` counts the reused ones.
+reuse in the next ones. The keep counts rank every token (reused ones included); the
+layer-level ratio applies to the computed ones, and ``min_keep`` counts the reused ones. A
+token dropped at layer d keeps its K/V below d, and while its patch stays static the cache
+reuses it there: absent from d on, it costs no row in the next frames either (the pruning
+decision carried over with the K/V), until its pixels change, its reuse age runs out, or the
+speculative layers of a frame rank it among their local tokens (it still has K/V there),
+which brings it back, recomputed, the next frame.
 
 Exactness: with ``keep`` counts of 256 (nothing dropped) the plan equals the wrapped planner's
 (or the full recompute); any drop is an approximation, measured by the parity gate and the
@@ -46,7 +50,7 @@ class _PruneHook:
 
     def __init__(
         self, cfg: PruneConfig, lay: PrefixLayout, keep_static: torch.Tensor, fine: bool,
-        computed: torch.Tensor | None = None,
+        computed: torch.Tensor | None = None, absent: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         L, C, T = lay.num_layers, len(lay.cameras), lay.tokens_per_camera
         self.cfg, self.C, self.T = cfg, C, T
@@ -59,7 +63,12 @@ class _PruneHook:
         self.k_local = min(T, math.ceil(sel.scaled_count(cfg.keep_local, T) * scale))
         self.k_min = min(T, math.ceil(sel.scaled_count(cfg.min_keep, T) * scale))
         self.keep_static = keep_static  # [C, T] bool: global | dynamic, decided before the forward
-        self.kept = torch.ones(C, T, dtype=torch.bool)  # [C, T] still computed / attended
+        # [C, T] still computed / attended; tokens reused with no K/V at the last layer (a pruned
+        # frame cut theirs short) start dropped
+        self.absent = torch.zeros(C, T, dtype=torch.bool) if absent is None else absent
+        self.kept = ~self.absent
+        self.recall = torch.zeros(C, T, dtype=torch.bool)  # absent tokens the speculative layers asked for
+        self.drop_layer = torch.full((C, T), L, dtype=torch.long)  # [C, T] first layer without the token
         self.score = torch.zeros(C, T)  # [C, T] layer-level importance (EMA)
         self.spec_attn = torch.zeros(C, T)  # [C, T] attention summed over the speculative layers
         self.local = torch.zeros(C, T, dtype=torch.bool)
@@ -91,9 +100,12 @@ class _PruneHook:
         if layer <= self.static_layer:
             self.spec_attn += a
         if layer == self.static_layer:
-            self.local = sel.topk_mask(self.spec_attn, self.kept, self.k_local)
+            # Absent tokens still have K/V in the speculative layers: ranked with the others,
+            # the ones that make the local set come back next frame (recomputed).
+            self.local = sel.topk_mask(self.spec_attn, self.kept | self.absent, self.k_local)
+            self.recall = self.local & self.absent
             keep = self.keep_static | self.local | sel.topk_mask(self.spec_attn, self.kept, self.k_min)
-            return self._drop(~keep & self.droppable())
+            return self._drop(~keep & self.droppable(), layer)
         if layer in self.prune_layers:
             ratio = self.cfg.dynamic_keep_fine if self.fine else self.cfg.dynamic_keep
             if ratio >= 1.0:
@@ -104,13 +116,14 @@ class _PruneHook:
                 max(min(int(x), self.k_min - int(f)), math.ceil(ratio * int(x))) for x, f in zip(n, fixed)
             ]  # fmt: skip
             keep = torch.stack([sel.topk_mask(self.score[c], cand[c], keep_n[c]) for c in range(self.C)])
-            return self._drop(cand & ~keep)
+            return self._drop(cand & ~keep, layer)
         return None
 
-    def _drop(self, mask: torch.Tensor) -> torch.Tensor | None:
+    def _drop(self, mask: torch.Tensor, layer: int) -> torch.Tensor | None:
         if not bool(mask.any()):
             return None
         self.kept &= ~mask
+        self.drop_layer[mask] = layer + 1
         return self.slots[mask]  # ascending: camera-major, row-major
 
 
@@ -149,7 +162,9 @@ class PrunePlanner:
         self._history: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=self.config.reference_lag_fine)
         self._importance: torch.Tensor | None = None  # [C, T] from the previous inference
         self._pending: _Pending | None = None
+        self._recall: torch.Tensor | None = None  # [C, T] tokens the last frame's local set wants back
         self.last_kept: torch.Tensor | None = None
+        self.last_drop_layer: torch.Tensor | None = None
         if self.reuse is not None:
             self.reuse.reset(reason)
 
@@ -164,9 +179,10 @@ class PrunePlanner:
         if key != self._key or self._pending is not None:
             self._history.clear()
             self._importance = None
+            self._recall = None
         self._key = key
         if self.reuse is not None:
-            plan = self.reuse.plan(ctx)
+            plan = self.reuse.plan(ctx, recompute=self._recall)
         else:
             slots = lay.all_slots()
             plan = PrefixPlan(layer_slots=[slots] * L, full=True)
@@ -185,7 +201,10 @@ class PrunePlanner:
         if self._importance is not None:
             k = min(T, math.ceil(sel.scaled_count(cfg.keep_global, T) * scale))
             glob = sel.topk_mask(self._importance, torch.ones_like(glob), k)
-        hook = _PruneHook(cfg, lay, glob | dynamic, fine, _computed_everywhere(lay, plan))
+        absent = None
+        if plan.absent:
+            absent = torch.isin(lay.image_slots(), torch.cat(list(plan.absent.values()))).reshape(C, T)
+        hook = _PruneHook(cfg, lay, glob | dynamic, fine, _computed_everywhere(lay, plan), absent)
         layers = set(range(L)) | (set(plan.taps.layers) if plan.taps is not None else set())
         plan.taps = TapSpec(
             layers=tuple(sorted(layers)), query_slots=lay.text_slots(), key_slots=lay.image_slots(),
@@ -198,6 +217,7 @@ class PrunePlanner:
             "motion_mode": ctx.motion_mode,
             "prune_global": int(glob.sum()),
             "prune_dynamic": int(dynamic.sum()),
+            "prune_absent": 0 if absent is None else int(absent.sum()),
         }
         self._pending = _Pending(plan, hook, patches, norms)
         return plan
@@ -215,8 +235,11 @@ class PrunePlanner:
             hook.observe(taps.attn[last])
         self._importance = hook.score.clone()
         self.last_kept = hook.kept.clone()  # [C, T] not dropped at any layer (for tests and debugging)
+        self.last_drop_layer = hook.drop_layer.clone()  # [C, T] where this frame's forward dropped each (L: not)
+        self._recall = hook.recall if bool(hook.recall.any()) else None
+        plan.stats["prune_recalled"] = int(hook.recall.sum())
         self._history.append((pend.patches, pend.norms))
         plan.stats["prune_local"] = int(hook.local.sum())
         if self.reuse is not None:
             self.reuse.update(ctx, plan, taps)
-            self.reuse.forget(~hook.kept)  # dropped tokens have no deep K/V to reuse next frame
+            self.reuse.truncate(hook.drop_layer)  # dropped tokens have no K/V from their drop layer on

@@ -1,0 +1,73 @@
+"""The vision tower's token cache (models/vision.py) and the token cache's reuse_vision."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vla_accel_ros.core.parity import changed_observation, fixed_observation, gate_noise, run_parity
+from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.models.factory import sibling_policy
+from vla_accel_ros.models.vision import VisionCache
+
+
+def test_every_patch_fresh_is_the_stock_tower(tiny_policies):
+    vis = tiny_policies["flow"].model.vis
+    cache = VisionCache(vis, cameras=2)
+    pixels = torch.randn(2, 3, 224, 224)
+    with torch.inference_mode():
+        ref = vis(pixels)
+        got = cache.embed(pixels, [0, 1], None)
+    assert torch.equal(got, ref)
+    assert cache.computed == 2 * cache.tokens and bool(cache.have.all())
+
+
+def test_only_fresh_patches_go_through_the_tower(tiny_policies):
+    """Reused patches keep the embeddings of the frame that computed them (whatever their
+    pixels now); fresh ones are computed over every patch's K/V, so with the same pixels a
+    partial pass gives the full pass's embeddings."""
+    vis = tiny_policies["flow"].model.vis
+    cache = VisionCache(vis, cameras=1)
+    a, b = torch.randn(1, 3, 224, 224), torch.randn(1, 3, 224, 224)
+    fresh = torch.zeros(1, cache.tokens, dtype=torch.bool)
+    fresh[0, 10:30] = True
+    with torch.inference_mode():
+        first = cache.embed(a, [0], None).clone()
+        same = cache.embed(a, [0], fresh)
+        assert cache.computed == 20
+        assert torch.allclose(same, first, atol=1e-5)
+        mixed = cache.embed(b, [0], fresh)
+    assert torch.equal(mixed[0, ~fresh[0]], first[0, ~fresh[0]])
+    assert not torch.allclose(mixed[0, fresh[0]], first[0, fresh[0]])
+    cache.reset()
+    with torch.inference_mode():
+        cache.embed(b, [0], fresh)
+    assert cache.computed == cache.tokens  # no state after a reset: every patch computed
+
+
+@pytest.mark.parametrize("family", ["ar", "flow"])
+def test_reuse_vision_runs_the_changed_patches(family, tiny_policies):
+    """With reuse_vision the tower runs over the tokens the plan computes at every layer; a
+    reset frame runs every patch; the gate's checks pass (the exact ones on a reset frame and
+    on the same frame again, the approximate one on a changed frame)."""
+    cache = {"relevance_mode": "off", "topk_reuse": 256, "reuse_vision": True}
+    policy = sibling_policy(tiny_policies[family], PolicyConfig(accel="cache", parity_check=False, cache=cache))
+    plain = sibling_policy(tiny_policies[family], PolicyConfig(accel="cache", parity_check=False, cache={**cache, "reuse_vision": False}))
+    obs = fixed_observation(policy.spec)
+    second = changed_observation(obs, policy.spec)
+    noise = gate_noise(policy.spec)
+    first = policy.infer(obs, noise=noise)
+    assert first.stats["vision_reused"] == 0 and policy._vision_cache.computed == 256
+    np.testing.assert_allclose(first.actions, plain.infer(obs, noise=noise).actions, atol=1e-5)
+    chunk = policy.infer(second, noise=noise)
+    sel = policy.planner.last
+    fresh = int((~sel.reused).sum())
+    assert 0 < fresh < 256 and policy._vision_cache.computed == fresh
+    assert chunk.stats["vision_reused"] == 256 - fresh
+    policy.reset()
+    policy.infer(second, noise=noise)
+    assert policy._vision_cache.computed == 256
+    report = run_parity(policy)
+    assert report.passed, report.table()
+    assert report.metrics["accel_tokens_reused"] > 0
