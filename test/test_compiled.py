@@ -119,6 +119,10 @@ def test_non_static_plans_stay_eager(tiny_bundles):
     assert is_static_plan(StepPlan(slots=slots, positions=slots, layer_slots=[slots] * 3))
     assert not is_static_plan(StepPlan(slots=slots, positions=slots, layer_slots=[slots, slots[:2]]))
     assert not is_static_plan(StepPlan(slots=slots, positions=slots, drop={1: slots[:1]}))
+    # A partial recompute with the same rows at every layer (reuse from layer 0): its row count
+    # changes from frame to frame, so it stays eager instead of compiling a graph per count.
+    gaps = torch.tensor([0, 2, 3, 7])
+    assert not is_static_plan(StepPlan(slots=gaps, positions=gaps, layer_slots=[gaps] * 3))
 
 
 @pytest.mark.slow

@@ -130,8 +130,14 @@ class StaticStep(nn.Module):
 
 
 def is_static_plan(plan: StepPlan) -> bool:
-    """Every row through every layer: no per-layer sets, drops, taps or prune hook."""
+    """Every row of one run of consecutive slots through every layer: no per-layer sets, drops,
+    taps or prune hook. A full prefill, a decode token, a flow expert pass; not a partial
+    recompute whose rows happen to be the same at every layer (its row count changes from
+    frame to frame, and each new count would compile a graph)."""
     if plan.taps is not None or plan.prune is not None or plan.drop:
+        return False
+    n = plan.slots.numel()
+    if n == 0 or int(plan.slots[-1]) - int(plan.slots[0]) != n - 1:  # ascending: consecutive iff the span is n
         return False
     return plan.layer_slots is None or all(s is plan.slots or torch.equal(s, plan.slots) for s in plan.layer_slots)
 
@@ -182,6 +188,8 @@ class CompiledEngine(Engine):
                 raise PlanError(f"key_window={window}: the rows (slots up to {int(plan.slots[-1])}) may read keys beyond it")
         reads = self._reads(plan.slots, window) if self.inline else "per_row"
         with torch.inference_mode(), _compile_settings(self.frozen):
+            if not x.is_inference():  # one kind of input tensor: dynamo guards on it (a second graph)
+                x = x.clone()
             hidden = self.compiled(x, plan.slots, plan.positions, c.k, c.v, c.valid, c.allowed, window, reads)
             if self.inline:
                 hidden, k_rows, v_rows = hidden  # [L, B, Hkv, n, D] each
