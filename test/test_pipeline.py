@@ -50,8 +50,12 @@ def test_pipelined_actions_equal_sequential_greedy(tiny_policies, steps):
 
 
 @pytest.mark.parametrize("depth", [0, 1])  # 0: the decode's depth; 1: each frame takes back the region it frees
-def test_pipelined_cache_equals_sequential_cache(tiny_policies, depth):
-    cfg = PolicyConfig(accel="cache", parity_check=False, cache={"relevance_mode": "off"})
+@pytest.mark.parametrize("reuse_vision", [False, True])
+def test_pipelined_cache_equals_sequential_cache(tiny_policies, depth, reuse_vision):
+    """Over the token cache: the same tokens and reuse as sequential decoding, also with the
+    vision cache, which the pipeline keeps apart from its policy's (it goes with the planner and
+    KV cache it serves)."""
+    cfg = PolicyConfig(accel="cache", parity_check=False, cache={"relevance_mode": "off", "reuse_vision": reuse_vision})
     seq = sibling_policy(tiny_policies["ar"], cfg)
     pipe = PipelinedAr(sibling_policy(tiny_policies["ar"], cfg), **({"depth": depth} if depth else {}))
     frames = _frames(seq.spec, 8, roll=0)  # mostly static: the cache reuses
@@ -60,6 +64,7 @@ def test_pipelined_cache_equals_sequential_cache(tiny_policies, depth):
     assert [c.stats["action_tokens"] for c in got] == [c.stats["action_tokens"] for c in ref]
     assert [c.stats["reuse_fraction"] for c in got] == [c.stats["reuse_fraction"] for c in ref]
     assert max(c.stats["reuse_fraction"] for c in got) > 0
+    assert pipe.policy._vision_cache is None and bool(pipe.vision.have.any()) == reuse_vision
 
 
 def test_segments_never_see_each_others_kv(tiny_policies):

@@ -241,12 +241,13 @@ class PolicyBase:
     @torch.inference_mode()
     def prefix_embeddings(
         self, obs: Observation, layout: PrefixLayout, ids: list[int], pixels: torch.Tensor, cams: list[int],
-        fresh: torch.Tensor | None = None,
+        fresh: torch.Tensor | None = None, vision: VisionCache | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """[P, H] prefix embeddings. Only cameras in ``cams`` go through the vision tower: the
         image rows of the others are not computed this step, so their values are never read.
         ``fresh`` (a plan's ``vision_fresh``, [C, T] bool): only those patches go through the
-        tower, the others take the embeddings the policy's vision cache holds; None: every
+        tower, the others take the embeddings ``vision`` holds (default: the policy's own vision
+        cache; another KV cache with its own planner, a pipeline's, brings its own); None: every
         patch of ``cams``, the stock tower's forward."""
         static = self._static.get(obs.instruction)
         if static is None:
@@ -259,9 +260,11 @@ class PolicyBase:
             if fresh is None:
                 img = self.model.vis(pixels[cams])  # [c, G*G, H]
             else:
-                if self._vision_cache is None:
-                    self._vision_cache = VisionCache(self.model.vis, len(layout.cameras))
-                img = self._vision_cache.embed(pixels[cams], cams, fresh)
+                if vision is None:
+                    if self._vision_cache is None:
+                        self._vision_cache = VisionCache(self.model.vis, len(layout.cameras))
+                    vision = self._vision_cache
+                img = vision.embed(pixels[cams], cams, fresh)
             for j, cam in enumerate(cams):
                 full[layout.image_slots(cam)] = img[j]
         self._dynamic_rows(full, obs, layout)

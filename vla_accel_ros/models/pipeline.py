@@ -37,6 +37,7 @@ from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlan, plan_stats
 from vla_accel_ros.core.types import ActionChunk, Observation
 from vla_accel_ros.models.base import StageTimer, make_planner
+from vla_accel_ros.models.vision import VisionCache
 
 
 @dataclass
@@ -98,6 +99,7 @@ class PipelinedAr:
             policy.stack, self.cache, max_positions=self.region_len, bf16_attention_above=policy.engine.bf16_attention_above
         )
         self.planner = make_planner(policy.config)
+        self.vision = VisionCache(policy.model.vis, len(policy.spec.cameras))  # its planner's, as its KV cache
         self.source = f"{policy.source}/pipeline"
         self.reset()
 
@@ -107,6 +109,7 @@ class PipelinedAr:
 
     def reset(self) -> None:
         self.planner.reset("explicit")
+        self.vision.reset()
         self.cache.invalidate()
         self._flight: list[_Frame] = []
         self._free = list(range(self.depth))
@@ -152,7 +155,7 @@ class PipelinedAr:
             plan = self.planner.plan(ctx)
         with timer.stage("vision"):
             rows = plan.layer_slots[0]
-            full = pol.prefix_embeddings(obs, layout, ids, frames.pixels, pol.image_rows(layout, rows), plan.vision_fresh)
+            full = pol.prefix_embeddings(obs, layout, ids, frames.pixels, pol.image_rows(layout, rows), plan.vision_fresh, self.vision)
         frame = _Frame(obs, region, layout.length, [], t0, self._calls - 1, self._busy_ns)
         with timer.stage("prefill"):
             out, extra = self._packed(plan, full[rows], base, layout)

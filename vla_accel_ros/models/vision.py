@@ -15,6 +15,12 @@ Per camera and encoder layer the K/V of every patch stay in a preallocated cache
 fresh patches are computed at every layer, attending to all patches of their camera (their
 own new K/V and the cached K/V of the others), and the projector maps their features into the
 decoder's embedding space, kept per patch too.
+
+Exactness: with every patch fresh the result is the stock tower's (tested bit for bit); a
+patch recomputed over the same pixels as before gets the same features in fp32 and bf16, while
+int8 and hybrid layers quantize the activations of the rows they are given, so a partial pass
+there differs from a full one by the quantization (max 0.02 on an output RMS of 0.22, tiny
+bundle).
 """
 
 from __future__ import annotations
