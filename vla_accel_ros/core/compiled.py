@@ -222,7 +222,9 @@ def _compile_settings(frozen: bool):
     """The settings a compiled step is built with (read when a call compiles; torch.compile's
     ``options`` did not reach freezing). Every engine's graphs share StaticStep.forward's
     graph slots, and frozen weights make dynamo guard each on its own parameters, so the
-    engines of one process (a replay's modes, a test session) need more than its default 8."""
+    engines of one process (a replay's modes, a test session) need more than its default 8.
+    The patches are process-wide while a call runs: another thread compiling at that moment
+    (no path of the package does: a policy's steps run on its worker thread) sees them too."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._dynamo.config.patch(recompile_limit=_GRAPHS))
         if frozen:
