@@ -202,8 +202,9 @@ class FusedLinear:
     Not a module: the members keep their parameters (the state_dict is unchanged) and still
     run alone; their ``fused`` attribute points here. The int8 form costs a second int8 copy
     of the members' weights. Calls needing a gradient, int8 / hybrid layers in compiled graphs,
-    and bf16 without oneDNN run the members one by one. The stacked weights are taken once: a converted model's
-    weights are fixed (loading new weights means converting again), as for ``Int8Linear``."""
+    and bf16 without oneDNN run the members one by one. The stacked weights are taken once: a
+    converted model's weights are fixed (loading new weights means converting again), as for
+    ``Int8Linear``."""
 
     def __init__(self, members: list[nn.Module], originals: list[nn.Linear]) -> None:
         kinds = {type(m) for m in members}

@@ -61,10 +61,10 @@ class VisionCache:
         every camera, or None (every patch) -> [c, T, H]"""
         self.computed = 0
         for j, cam in enumerate(cams):
-            want = ~self.have[cam] if fresh is None else (fresh[cam] | ~self.have[cam])  # no state: compute
             if fresh is None:
-                want[:] = True
-            rows = torch.nonzero(want).flatten()
+                rows = torch.arange(self.tokens)
+            else:  # and the patches with no state yet
+                rows = torch.nonzero(fresh[cam] | ~self.have[cam]).flatten()
             if rows.numel():
                 self._forward(pixels[j : j + 1], cam, rows)
                 self.computed += rows.numel()

@@ -301,8 +301,6 @@ class TokenCachePlanner:
         if self._depth is not None:
             self._depth = torch.minimum(self._depth, drop_layer)
 
-
-
     # -- after the forward --------------------------------------------------------------------
     def update(self, ctx: PrefixContext, plan: PrefixPlan, taps: TapResult | None) -> None:
         pend = self._pending
