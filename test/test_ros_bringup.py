@@ -76,7 +76,7 @@ def test_an_autoregressive_bundle_commands_with_stale_chunks_execute_last(tmp_pa
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
-    assert s["policy_node"]["chunks"] > 0 and s["action_controller_node"]["commands"] > 0
+    assert s["policy_node"]["chunks"] > 0 and s["action_controller_node"]["commands"] > 0, proc.stdout[-3000:]
 
 
 def test_starting_a_graph_on_a_domain_leaves_this_process_environment_alone(tmp_path, ros_params_file, monkeypatch):

@@ -224,6 +224,8 @@ class ActionControllerNode(Node):
             "latency_p95_ms": m.latency_p95_ms,
             "watchdog_trips": c.watchdog.trips,
             "motion_mode": MODE_NAMES[c.motion.mode],
+            "late_actions": c.late_actions,
+            "dropped": self.drops.snapshot(),  # inputs not used, by reason, since the node started
         }
 
     def close(self) -> None:

@@ -245,6 +245,8 @@ def format_summary(s: dict[str, object]) -> str:
             f"({cmds / dur if dur else 0.0:.1f}/s), holding {100 * float(ctl.get('holding_fraction', 0.0)):.1f} %, "
             f"obs->chunk p50/p95 {_ms(ctl.get('latency_p50_ms'))}/{_ms(ctl.get('latency_p95_ms'))}, "
             f"watchdog trips {ctl.get('watchdog_trips', 0)}, mode {ctl.get('motion_mode')}"
+            + (f", late actions {ctl['late_actions']}" if ctl.get("late_actions") else "")
+            + (f", dropped {ctl['dropped']}" if ctl.get("dropped") else "")
         )
     sim = s.get(SIM, {}) or {}
     if sim:
