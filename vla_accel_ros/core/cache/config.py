@@ -79,7 +79,10 @@ class CacheConfig(Config):
         1.0, doc="entropy schedule: the paper's k, the gain on the cumulative relative entropy drop", range=(0.0, 1000.0)
     )
     force_recompute_layers: int = param(
-        2, doc="layers [0, n) recompute every token (the public code always recomputes layers 0-1)", range=(0, 1024)
+        2,
+        doc="layers [0, n) recompute every token (the public code always recomputes layers 0-1); with cache+prune "
+        "keep it >= prune.spec_layers (pruning ranks tokens in those layers: reuse there cost a trained policy)",
+        range=(0, 1024),
     )
     reuse_layers: tuple[int, ...] = param(
         (),
