@@ -78,13 +78,14 @@ def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
     argv = ["eval", "--bundle", str(tiny_bundles[family]), "--episodes", "1", "--steps", "8", "--modes",
             "baseline,cache", "--report", str(out), "--open-loop-episodes", "1", "--open-loop-stride", "4",
             "--height", "120", "--width", "160", "--no-progress", "--no-parity"]  # fmt: skip
+    extra = "pipelined" if family == "ar" else "prune"
+    argv[argv.index("baseline,cache")] = f"baseline,cache,{extra}"
     if family == "ar":
         argv.remove("--no-parity")  # the gate runs in one of the two
-        argv[argv.index("baseline,cache")] = "baseline,cache,pipelined"
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["task"] == "transfer_cube" and report["bundle"]["name"] == f"demo-{family}-tiny"
-    modes = ["baseline", "cache"] + (["pipelined"] if family == "ar" else [])
+    modes = ["baseline", "cache", extra]
     assert report["mode_order"] == modes
     for mode in modes:
         m = report["modes"][mode]
@@ -97,9 +98,27 @@ def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
         assert m["stages"][-1]["reached"] == m["successes"]  # the last stage is success
         if mode != "baseline":
             assert m["paired_vs_baseline"]["seeds"] == 1
+        by_motion = m["inferences_by_motion"]
+        assert by_motion["coarse"] + by_motion["fine"] == m["inferences_per_episode"]
+        kept = m["tokens_kept_fraction"]["mean"]
+        assert kept < 1.0 if mode == "prune" else kept == 1.0  # only pruning drops image tokens
+        assert 0.0 <= m["reuse_fraction"]["mean"] <= 1.0
+    assert report["modes"]["baseline"]["reuse_fraction"]["mean"] == 0.0
     assert "paired_vs_baseline" not in report["modes"]["baseline"]
     assert (out / "report.md").is_file() and (out / "success.png").is_file()
-    assert "Task stages reached" in (out / "report.md").read_text()
+    text = (out / "report.md").read_text()
+    assert "Task stages reached" in text and "Motion and image tokens" in text
+
+
+def test_prefix_statistics_are_split_by_the_motion_mode_of_each_inference():
+    from vla_accel_ros.bench.eval import prefix_summary
+
+    s = prefix_summary([("coarse", 0.3, 0.1), ("fine", 0.6, 0.2), ("coarse", 0.5, 0.3)])
+    assert s["tokens_kept_fraction"] == pytest.approx({"mean": 1.4 / 3, "coarse": 0.4, "fine": 0.6})
+    assert s["reuse_fraction"] == pytest.approx({"mean": 0.2, "coarse": 0.2, "fine": 0.2})
+    assert s["inferences_by_motion"] == {"coarse": 2, "fine": 1}
+    assert prefix_summary([("coarse", 1.0, 0.0)])["tokens_kept_fraction"]["fine"] is None  # no fine inference
+    assert prefix_summary([]) == {}
 
 
 # -- through the ROS graph (--through-ros): real nodes over DDS, the real simulator ---------------

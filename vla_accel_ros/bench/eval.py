@@ -214,6 +214,8 @@ class EpisodeResult:
     latency_ms: list[float]
     holding_fraction: float
     fine_fraction: float  # control ticks the controller's motion switch spent in fine mode
+    # per inference: the motion mode the policy was told, and its prefix statistics' image-token shares
+    prefix: list[tuple[str, float, float]] = field(default_factory=list)  # (mode, kept, reused)
     # reasoning bundles: each inference's stats and the ground-truth reasoning of its frame
     reasoning_stats: list = field(default_factory=list)
     reasoning_truths: list = field(default_factory=list)
@@ -275,6 +277,7 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
     reasoning: list[dict] = []
     truths: list = []
     fine = 0
+    prefix: list[tuple[str, float, float]] = []
     for tick in range(cfg.steps):
         robot.publish_state(now)
         arrived = [c for t, c in in_flight if t <= now]
@@ -301,6 +304,9 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
         for chunk in chunks:
             ms = float(chunk.stats.get("staleness_busy_ms", chunk.timings_ms["total"]))
             latencies.append(ms)
+            st = chunk.stats
+            prefix.append((str(st.get("motion_mode", MODE_NAMES[loop.motion.mode])), float(st.get("tokens_kept_fraction", 1.0)),
+                           float(st.get("reuse_fraction", 0.0))))  # fmt: skip
             # zero: the simulator waits for the chunk (aloha_sim_node's policy_sync), so it is in
             # the controller's inbox at the next tick; measured: its observation-to-action latency
             # after its frame (a pipelined chunk: the compute its frame saw while in flight), the
@@ -310,7 +316,7 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
         now += DT_NS
     return EpisodeResult(
         seed, robot.success, robot.reward, len(latencies), latencies, loop.holding_fraction(), fine / cfg.steps,
-        reasoning, truths,
+        reasoning_stats=reasoning, reasoning_truths=truths, prefix=prefix,
     )  # fmt: skip
 
 
@@ -529,6 +535,22 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
     }
 
 
+def prefix_summary(prefix: list[tuple[str, float, float]]) -> dict[str, Any]:
+    """Image tokens kept (not pruned) and reused over a mode's inferences, overall and by the
+    motion mode each inference ran in (velocity-aware pruning keeps more in fine motion); the
+    means are over token-layers, as the replay's ``tokens_kept_fraction``."""
+    if not prefix:
+        return {}
+    out: dict[str, Any] = {}
+    for key, col in (("tokens_kept_fraction", 1), ("reuse_fraction", 2)):
+        out[key] = {"mean": float(np.mean([p[col] for p in prefix]))}
+        for motion in ("coarse", "fine"):
+            vals = [p[col] for p in prefix if p[0] == motion]
+            out[key][motion] = float(np.mean(vals)) if vals else None
+    out["inferences_by_motion"] = {m: sum(p[0] == m for p in prefix) for m in ("coarse", "fine")}
+    return out
+
+
 def summarize_mode(run, results: list[EpisodeResult], open_loop: dict[str, Any], task: str) -> dict[str, Any]:
     n = len(results)
     ok = sum(r.success for r in results)
@@ -546,6 +568,7 @@ def summarize_mode(run, results: list[EpisodeResult], open_loop: dict[str, Any],
         "inferences_per_episode": float(np.mean([r.inferences for r in results])),
         "holding_fraction": float(np.mean([r.holding_fraction for r in results])),
         "fine_fraction": float(np.mean([r.fine_fraction for r in results])),
+        **prefix_summary([p for r in results for p in r.prefix]),
         "open_loop_error": open_loop,
         "per_episode": [{"seed": r.seed, "success": r.success, "max_reward": r.max_reward} for r in results],
         # reasoning bundles: reuse and agreement with the simulator's ground truth (closed loop:

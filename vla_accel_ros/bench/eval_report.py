@@ -83,6 +83,30 @@ def paired_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, out
 
 
+def motion_rows(result: dict[str, Any]) -> list[list[str]]:
+    """Per mode, the control ticks in fine motion and the image tokens its inferences kept and
+    reused, overall and by motion mode (reports written before these were recorded: no rows)."""
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    out = []
+    for name in result["mode_order"]:
+        m = result["modes"][name]
+        kept, reused = m.get("tokens_kept_fraction"), m.get("reuse_fraction")
+        if kept is None or reused is None:
+            continue
+        n = m.get("inferences_by_motion", {})
+        out.append([
+            name, pct(m.get("fine_fraction")), f"{n.get('coarse', 0)} / {n.get('fine', 0)}",
+            pct(kept["mean"]), pct(kept["coarse"]), pct(kept["fine"]), pct(reused["mean"]),
+        ])  # fmt: skip
+    return out
+
+
+MOTION_HEADER = ["mode", "ticks in fine", "inferences coarse / fine", "tokens kept", "kept (coarse)", "kept (fine)", "reused"]
+
+
 def title(result: dict[str, Any]) -> str:
     b = result["bundle"]
     return (
@@ -132,6 +156,17 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
             "grade: seeds where the mode's was higher / lower / equal, with the sign test's p-value.",
             "",
             _md_table(header, paired),
+            "",
+        ]
+    motion = motion_rows(result)
+    if motion:
+        parts += [
+            "Motion and image tokens: the control ticks the controller's motion switch spent in fine mode, the "
+            "inferences made in each mode, and the image tokens they kept (not pruned; mean over token-layers, "
+            "as the replay's tokens_kept_fraction) and reused from earlier frames. Velocity-aware pruning keeps "
+            "more tokens in fine motion.",
+            "",
+            _md_table(MOTION_HEADER, motion),
             "",
         ]
     ros = ros_rows(result)
