@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from vla_accel_ros.core.bundle import CONFIG_FILE, WEIGHTS_FILE, load_bundle, read_spec
+from vla_accel_ros.core.bundle import CONFIG_FILE, WEIGHTS_FILE
 from vla_accel_ros.core.errors import BundleError, ParityError
 from vla_accel_ros.core.parity import run_parity
 from vla_accel_ros.core.prefix import FullRecompute, PrefixPlan
-from vla_accel_ros.models.factory import load_policy, model_from_bundle
+from vla_accel_ros.models.factory import load_bundle, load_policy, model_from_bundle
+from vla_accel_ros.models.factory import read_model_spec as read_spec  # the loaders' check: the family's too
 
 PACKAGE = Path(__import__("vla_accel_ros").__file__).parent
 VLA_ACCEL = str(Path(sys.executable).with_name("vla-accel"))
@@ -54,7 +55,8 @@ def test_roundtrip_is_bit_exact(tiny_bundles):
         ({"joint_names": ["a", "b"]}, "joint_names"),
         ({"format": "something/9"}, "format"),
         ({"image_size": 225}, "image_size"),
-        ({"family": "diffusion"}, "family"),
+        ({"family": "diffusion"}, "family='diffusion' is not a known model family; known: ar, flow, smolvla"),
+        ({"family": None}, "field 'family' is missing"),
         ({"dt": -1.0}, "dt"),
         ({"bogus_field": 1}, "bogus_field"),
         ({"instruction_template": "no placeholder"}, "instruction_template"),

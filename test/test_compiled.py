@@ -50,7 +50,7 @@ def test_compiled_steps_match_eager(tiny_bundles, family, inline, accel):
     eager, compiled = load_policy(tiny_bundles[family], config), load_policy(tiny_bundles[family], config)
     engines = _swap_in_compiled(compiled, "aot_eager", inline=inline)
     spec = eager.spec
-    noise = gate_noise(spec)
+    noise = gate_noise(eager)
     obs = fixed_observation(spec)
     for frame in (obs, changed_observation(obs, spec)):
         a, c = eager.infer(frame, noise=noise), compiled.infer(frame, noise=noise)
@@ -76,7 +76,7 @@ def test_inline_bf16_flow_expert_matches_eager(tiny_bundles):
     eager, compiled = load_policy(tiny_bundles["flow"], config), load_policy(tiny_bundles["flow"], config)
     assert compiled.expert_stack.qkv[0] is not None  # the bf16 expert's projections are fused
     engines = _swap_in_compiled(compiled, "aot_eager", inline=True)
-    spec, noise = eager.spec, gate_noise(eager.spec)
+    spec, noise = eager.spec, gate_noise(eager)
     a, c = eager.infer(fixed_observation(spec), noise=noise), compiled.infer(fixed_observation(spec), noise=noise)
     std = np.asarray(spec.norm_stats["action"]["std"], dtype=np.float32)
     assert (np.abs(a.actions - c.actions) / std).max() <= 0.02
@@ -90,7 +90,7 @@ def test_compiled_reads_follow_the_cache(tiny_bundles):
     from vla_accel_ros.core.errors import PlanError
 
     flow = load_policy(tiny_bundles["flow"], PolicyConfig(parity_check=False))
-    flow.infer(fixed_observation(flow.spec), noise=gate_noise(flow.spec))
+    flow.infer(fixed_observation(flow.spec), noise=gate_noise(flow))
     engine = CompiledEngine(flow.expert_stack, flow.cache, max_positions=flow.expert_engine.cos.shape[0], backend="aot_eager")
     plan = flow.expert_plan(flow.layout_for(flow.spec.default_instruction)[0].length)
     assert engine._reads(plan.slots, plan.key_window) == "all"
@@ -142,7 +142,7 @@ def test_export_round_trip(tiny_bundles, tmp_path, family):
     """Every static step exports with the two custom ops as graph nodes, survives a save / load
     round trip (in memory) and matches the eager engine; the archive holds no pickle."""
     policy = load_policy(tiny_bundles[family], PolicyConfig(parity_check=False))
-    policy.infer(fixed_observation(policy.spec), noise=gate_noise(policy.spec))  # a cache with content
+    policy.infer(fixed_observation(policy.spec), noise=gate_noise(policy))  # a cache with content
     programs = export_policy(policy)
     assert set(programs) == {"ar": {"prefill", "decode"}, "flow": {"prefill", "expert"}}[family]
     layers = policy.prefix_engine.stack.num_layers

@@ -12,8 +12,9 @@ from torch import nn
 from vla_accel_ros.core.errors import ConfigError, ParityError
 from vla_accel_ros.core.parity import fixed_observation, gate_noise
 from vla_accel_ros.core.policy_config import PolicyConfig
-from vla_accel_ros.core.precision import COMPONENTS, FAMILY_DEFAULTS, PrecisionConfig, preset
+from vla_accel_ros.core.precision import COMPONENTS, PrecisionConfig, preset
 from vla_accel_ros.core.types import ChunkGuidance
+from vla_accel_ros.models.family import get_family
 from vla_accel_ros.models.factory import build_policy, load_bundle, model_from_bundle, sibling_policy
 from vla_accel_ros.core.engine import DecoderStack
 from vla_accel_ros.models.precision import (
@@ -43,12 +44,13 @@ def models(tiny_bundles):
 
 def test_config_resolves_auto_per_family():
     cfg = PrecisionConfig(**{c: "auto" for c in COMPONENTS})
-    for family, defaults in FAMILY_DEFAULTS.items():
-        resolved = cfg.resolve(family)
+    for family in ("ar", "flow"):
+        defaults = get_family(family).precision_defaults
+        resolved = cfg.resolve(get_family(family))
         assert resolved.components() == {**defaults, **({"expert": "fp32"} if family == "ar" else {})}
     assert not PrecisionConfig().reduced and PrecisionConfig().label() == "fp32"
     assert PrecisionConfig(lm="int8").label() == "lm=int8"
-    assert PrecisionConfig(expert="bf16").resolve("ar").label() == "fp32"  # ar has no expert
+    assert PrecisionConfig(expert="bf16").resolve(get_family("ar")).label() == "fp32"  # ar has no expert
     with pytest.raises(ConfigError, match="fp32"):
         PrecisionConfig(lm="fp16")
     with pytest.raises(ConfigError, match="auto"):
@@ -64,21 +66,21 @@ def test_config_resolves_auto_per_family():
 def test_convert_model_per_component(models, family):
     spec, model = models[family]
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    comps = component_linears(model, family)
+    comps = component_linears(model, get_family(family))
     sizes = {c: len(v) for c, v in comps.items()}
     assert sizes["vision"] > 0 and sizes["projector"] == 2 and sizes["lm"] > 0
     assert (sizes["expert"] > 0) == (family == "flow")
-    converted = convert_model(model, family, PrecisionConfig(lm="int8", vision="bf16", expert="bf16").resolve(family))
+    converted = convert_model(model, get_family(family), PrecisionConfig(lm="int8", vision="bf16", expert="bf16").resolve(get_family(family)))
     counts = linear_precisions(converted)
     assert counts["int8"] == sizes["lm"]
     assert counts["bf16"] == sizes["vision"] + sizes["expert"]
     assert linear_precisions(model) == {
         "fp32": sum(1 for m in model.modules() if isinstance(m, nn.Linear)), "bf16": 0, "int8": 0, "hybrid": 0
     }  # fmt: skip
-    hybrid = linear_precisions(convert_model(model, family, PrecisionConfig(lm="hybrid").resolve(family)))
+    hybrid = linear_precisions(convert_model(model, get_family(family), PrecisionConfig(lm="hybrid").resolve(get_family(family))))
     assert hybrid["hybrid"] == sizes["lm"] and hybrid["int8"] == hybrid["bf16"] == 0
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the original is untouched
-    assert convert_model(model, family, PrecisionConfig()) is model
+    assert convert_model(model, get_family(family), PrecisionConfig()) is model
     lin = nn.Linear(8, 4)
     x = torch.randn(3, 8)
     bf16 = Bf16Linear(lin)
@@ -100,7 +102,7 @@ def test_each_precision_loads_infers_and_is_gated(models, family, precision):
     assert policy.precision.reduced and policy.model is not model
     assert any("fp32 reference" in n for n in report.notes)
     obs = fixed_observation(spec)
-    out = policy.infer(obs, noise=gate_noise(spec))
+    out = policy.infer(obs, noise=gate_noise(policy))
     assert np.isfinite(out.actions).all() and out.actions.shape == (spec.chunk_size, spec.action_dim)
     # A tolerance below what the gate measured must fail: the policy refuses to start.
     if family == "flow":
@@ -186,7 +188,7 @@ def test_auto_falls_back_while_the_gate_refuses(models):
     flip tokens under every reduced precision); an explicit precision never falls back."""
     spec, model = models["ar"]
     config = PolicyConfig.from_dict({"precision": preset("auto")})  # the default, strict limits
-    labels = [c.label() for c in config.precision.candidates("ar")]
+    labels = [c.label() for c in config.precision.candidates(get_family("ar"))]
     assert labels == ["vision=bf16,projector=bf16,lm=hybrid", "vision=bf16,projector=bf16", "fp32"]
     policy = build_policy(spec, model, config)
     assert policy.precision.label() in labels[1:] and policy.config.precision.lm == "auto"
@@ -194,8 +196,8 @@ def test_auto_falls_back_while_the_gate_refuses(models):
     with pytest.raises(ParityError, match="refuses to start"):
         build_policy(spec, model, PolicyConfig.from_dict({"precision": {"lm": "hybrid"}}))
     # Components not set to auto keep their value; without auto there is one candidate.
-    assert [c.vision for c in PrecisionConfig(lm="auto", vision="bf16").candidates("ar")] == ["bf16", "bf16"]
-    assert len(PrecisionConfig(lm="int8").candidates("ar")) == 1
+    assert [c.vision for c in PrecisionConfig(lm="auto", vision="bf16").candidates(get_family("ar"))] == ["bf16", "bf16"]
+    assert len(PrecisionConfig(lm="int8").candidates(get_family("ar"))) == 1
 
 
 def _stacks(model, family):
@@ -210,7 +212,7 @@ def test_reduced_precision_layers_fuse_qkv_and_gate_up_with_the_members_results(
     spec, model = models[family]
     converted = {}
     for p in ("bf16", "hybrid", "int8", "fp32"):
-        converted[p] = convert_model(model, family, PrecisionConfig(lm=p, expert=p if family == "flow" else "fp32").resolve(family))
+        converted[p] = convert_model(model, get_family(family), PrecisionConfig(lm=p, expert=p if family == "flow" else "fp32").resolve(get_family(family)))
         for stack in map(DecoderStack, _stacks(converted[p], family)):
             assert all((g is not None) == (p != "fp32") for g in stack.qkv + stack.gate_up), p
         keys = converted[p].state_dict().keys()
@@ -260,7 +262,7 @@ def test_flow_keeps_its_kv_cache_in_bf16_when_both_decoders_attend_in_bf16(model
     policy = build_policy(spec, model, _config("flow", **preset("bf16"), few_rows=spec.chunk_size - 1))
     assert policy.cache.k.dtype == torch.bfloat16 and policy.vlm_engine.cos.dtype == torch.float32
     # Real-Time Chunking differentiates through the bf16 cache's reads.
-    obs, noise = fixed_observation(spec), gate_noise(spec)
+    obs, noise = fixed_observation(spec), gate_noise(policy)
     free = policy.infer(obs, noise=noise).actions
     prev = np.zeros((spec.chunk_size, spec.action_dim), np.float32)
     guided = policy.infer(obs, noise=noise, guidance=ChunkGuidance(prev_actions=prev, weights=np.ones(spec.chunk_size, np.float32), frozen=0))
@@ -268,7 +270,7 @@ def test_flow_keeps_its_kv_cache_in_bf16_when_both_decoders_attend_in_bf16(model
     accel = build_policy(spec, model, PolicyConfig.from_dict({"accel": "cache+prune", "precision": preset("bf16")}))
     assert accel.cache.k.dtype == torch.bfloat16
     for _ in range(2):
-        out = accel.infer(obs, noise=gate_noise(spec))
+        out = accel.infer(obs, noise=gate_noise(accel))
     assert np.isfinite(out.actions).all() and out.stats["tokens_kept_fraction"] < 1
     # The expert's chunk rows attend in fp32 when they are few: the cache stays fp32.
     few = build_policy(spec, model, _config("flow", **preset("bf16"), few_rows=spec.chunk_size))
@@ -300,7 +302,7 @@ def test_a_bf16_output_projection_takes_the_bf16_attention_output_with_the_same_
         x = torch.randn(1, 9, 32).to(torch.bfloat16)
         assert torch.equal(torch.ones(1) + m(x), torch.ones(1) + m(x.float()))
         assert torch.equal(m(x[:, :4]), m(x[:, :4].float()))  # hybrid's int8 path widens it
-    obs, noise = fixed_observation(spec), gate_noise(spec)
+    obs, noise = fixed_observation(spec), gate_noise(plain)
     for i in range(3):
         obs.stamp_ns += 20_000_000
         kw = {"noise": noise} if family == "flow" else {}

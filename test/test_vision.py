@@ -56,7 +56,7 @@ def test_reuse_vision_runs_the_changed_patches(family, tiny_policies):
     plain = sibling_policy(tiny_policies[family], PolicyConfig(accel="cache", parity_check=False, cache={**cache, "reuse_vision": False}))
     obs = fixed_observation(policy.spec)
     second = changed_observation(obs, policy.spec)
-    noise = gate_noise(policy.spec)
+    noise = gate_noise(policy)
     first = policy.infer(obs, noise=noise)
     assert first.stats["vision_reused"] == 0 and policy._vision_cache.computed == 256
     np.testing.assert_allclose(first.actions, plain.infer(obs, noise=noise).actions, atol=1e-5)

@@ -79,7 +79,8 @@ def run_cache_bench(
 ) -> dict[str, Any]:
     """Every preset and the full recompute on the same frames; ``on_frame(i)`` after frame i (progress)."""
     from vla_accel_ros.sim.synthetic import synthetic_observations
-    from vla_accel_ros.core.bundle import Bundle, load_bundle
+    from vla_accel_ros.core.bundle import Bundle
+    from vla_accel_ros.models.factory import load_bundle
     from vla_accel_ros.models.factory import load_policy, sibling_policy
 
     configs = {name: cache_config(name, overrides or {}) for name in presets}  # fail before loading
@@ -136,7 +137,7 @@ def _kv_error(policy, full, obs) -> dict[str, float]:
 
 
 def _deviation(c: Contender, ref: Contender, spec, std: np.ndarray) -> dict[str, float]:
-    dev = action_deviation(c.actions, ref.actions, std, *((c.tokens, ref.tokens) if spec.family == "ar" else ()))
+    dev = action_deviation(c.actions, ref.actions, std, *((c.tokens, ref.tokens) if ref.tokens else ()))
     out = {
         "max_abs_delta": max(dev.max_abs),
         "max_delta_over_std": max(dev.max_over_std),
@@ -146,7 +147,7 @@ def _deviation(c: Contender, ref: Contender, spec, std: np.ndarray) -> dict[str,
         "kv_rel_err_text_max": max(e["text"] for e in c.kv_err),
         "kv_rel_err_text_p50": float(statistics.median(e["text"] for e in c.kv_err)),
     }
-    if spec.family == "ar":
+    if ref.tokens:
         out["identical_token_share"] = float(np.mean(dev.token_share)) if dev.token_share else 0.0
         out["identical_chunk_share"] = dev.identical_chunks if dev.identical_chunks is not None else 0.0
     return out
@@ -189,7 +190,6 @@ def summarize(contenders: list[Contender], spec, meta: dict[str, Any]) -> dict[s
 
 def format_report(result: dict[str, Any]) -> str:
     meta, rows = result["meta"], result["rows"]
-    fam = meta["family"]
     lines = [
         f"{'contender':<12} {'p50 ms':>8} {'p95 ms':>8} {'speedup':>8} {'paired':>7} {'reuse':>6} {'select p50':>10} "
         f"{'resets':>6}  deviation vs full",
@@ -205,7 +205,7 @@ def format_report(result: dict[str, Any]) -> str:
         dev = (
             f"tokens identical {100 * d['identical_token_share']:.1f}%, max |delta| {d['max_abs_delta']:.4f} "
             f"({d['max_delta_over_std']:.3f} std)"
-            if fam == "ar"
+            if "identical_token_share" in d
             else f"max |delta|/std {d['max_delta_over_std']:.4f} (p50 frame {d['p50_frame_max_delta_over_std']:.4f})"
         )
         lines.append(
@@ -228,7 +228,7 @@ def format_report(result: dict[str, Any]) -> str:
         d = r["deviation"]
         lines.append(
             f"  last-layer K/V relative error vs full: image rows p50 {d['kv_rel_err_image_p50']:.2e} max "
-            f"{d['kv_rel_err_image_max']:.2e}; prompt{'/state' if fam == 'flow' else ''} rows p50 "
+            f"{d['kv_rel_err_image_max']:.2e}; prompt/state rows p50 "
             f"{d['kv_rel_err_text_p50']:.2e} max {d['kv_rel_err_text_max']:.2e}"
         )
         lines.append(f"  image tokens computed per layer (mean): {r['image_recomputed_per_layer_mean']}")

@@ -89,82 +89,18 @@ def run_engine_bench(policy, repeats: int = 5, fractions=(0.4, 0.6, 0.8), on_pai
     frames = policy.frames(obs)
     cams = list(range(len(layout.cameras)))
     full = policy.prefix_embeddings(obs, layout, ids, frames.pixels, cams)
-    P = layout.length
-    flow = spec.family == "flow"
-    decoder = policy.model.vlm if flow else policy.model.lm.model
-    engine = policy.vlm_engine if flow else policy.engine
+    engine = policy.prefix_engine
     policy.prepare_cache(layout)
-    hf_mask = torch.ones(1, 1, P, P, dtype=torch.bool) if flow else None
     all_slots = layout.all_slots()
     full_step = StepPlan(slots=all_slots, positions=all_slots, output_slots=all_slots[-1:])
-
-    def hf_prefill():
-        with torch.inference_mode():
-            return decoder(inputs_embeds=full[None], attention_mask=hf_mask, use_cache=True)
 
     def eng_prefill():
         return engine.forward(full[None], full_step)
 
-    add(interleave("prefill", ("transformers", hf_prefill), ("engine", eng_prefill), repeats))
-
-    if flow:
-        x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, spec.chunk_size, spec.action_dim)).astype(np.float32))
-        pkv = hf_prefill().past_key_values
-        eng_prefill()
-        h = spec.chunk_size
-        pos = torch.arange(P, P + h)[None]
-        smask = torch.ones(1, 1, h, P + h, dtype=torch.bool)
-
-        def hf_step():
-            with torch.inference_mode():
-                emb = policy.model.suffix_embeddings(x, 0.5)
-                out = policy.model.expert(inputs_embeds=emb, attention_mask=smask, position_ids=pos, past_key_values=pkv, use_cache=True)
-                pkv.crop(-h)
-                return policy.model.action_out(out.last_hidden_state)
-
-        def eng_step():
-            return policy.velocity(x, 0.5, P)
-
-        add(interleave("denoise step", ("transformers", hf_step), ("engine", eng_step), repeats))
-        add(
-            interleave(
-                "full infer",
-                ("transformers", lambda: policy.reference_infer(obs, noise=x[0].numpy())),
-                ("engine", lambda: policy.infer(obs, noise=x[0].numpy())),
-                repeats,
-            )
-        )
-    else:
-        lm = policy.model.lm
-        pkv_holder = {}
-        tok = torch.tensor([[lm.config.vocab_size - 1]])
-
-        def hf_decode():
-            with torch.inference_mode():
-                out = lm(input_ids=tok, past_key_values=pkv_holder["pkv"], use_cache=True)
-                pkv_holder["pkv"].crop(-1)
-                return int(out.logits[0, -1, -spec.action_bins :].argmax())
-
-        pkv_holder["pkv"] = hf_prefill().past_key_values
-        eng_prefill()
-        slot = torch.tensor([P])
-        dplan = StepPlan(slots=slot, positions=slot, output_slots=slot)
-        embed = lm.model.embed_tokens
-
-        def eng_decode():
-            with torch.inference_mode():
-                o = engine.forward(embed(tok), dplan)
-                return int(policy.model.action_logits(o.hidden[0, -1]).argmax())
-
-        add(interleave("decode step", ("transformers", hf_decode), ("engine", eng_decode), repeats * 4))
-        add(
-            interleave(
-                "full infer",
-                ("transformers", lambda: policy.reference_infer(obs)),
-                ("engine", lambda: policy.infer(obs)),
-                repeats,
-            )
-        )
+    # The family's comparisons: the prefill, its step after the prefill (a denoise step, a
+    # decode token) and a whole inference, each transformers against the engine.
+    for name, baseline, contender, times in policy.bench_pairs(obs, layout, full):
+        add(interleave(name, baseline, contender, repeats * times))
 
     # Partial recompute: the cache holds this observation's K/V from the full prefill above.
     eng_prefill()

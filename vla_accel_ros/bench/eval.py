@@ -482,7 +482,7 @@ def open_loop_error(policy, demos: list[Demo], lower: np.ndarray, upper: np.ndar
 def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> dict[str, Any]:
     from tqdm import tqdm
 
-    from vla_accel_ros.core.bundle import load_bundle
+    from vla_accel_ros.models.factory import load_bundle
     from vla_accel_ros.core.robot.safety import default_limits
 
     cfg.validate()
@@ -492,7 +492,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
     spec = bundle.spec
     if tuple(spec.joint_names) != tuple(graph.robot.joint_names):
         raise ConfigError(f"bundle {spec.name} joints {list(spec.joint_names)} differ from robot.joint_names")
-    robot = SimRobot(cfg.task, tuple(spec.cameras), graph.robot, graph.sync(spec.image_size), cfg.height, cfg.width)
+    robot = SimRobot(cfg.task, tuple(spec.cameras), graph.robot, graph.sync(spec.frame_size), cfg.height, cfg.width)
     runs = build_runs(bundle, names, cfg)
     seeds = [cfg.seed + i for i in range(cfg.episodes)]
     lo, hi = (graph.safety.lower, graph.safety.upper) if graph.safety.lower else default_limits(graph.robot)

@@ -31,6 +31,7 @@ from vla_accel_ros.bench.flops import FORMULA, FrameWork, estimate_flops, work_f
 from vla_accel_ros.bench.reasoning import reasoning_summary, truth_words
 from vla_accel_ros.bench.stats import action_deviation, action_std, distribution, percentile
 from vla_accel_ros.core.errors import BagError, ConfigError
+from vla_accel_ros.models.family import get_family
 from vla_accel_ros.sim.aloha import task_of_instruction
 
 SCHEMA = "vla_accel_ros.replay/1"
@@ -256,9 +257,7 @@ class ModeRun:
             return self.pipeline.push(obs)
         if not self.mode.reference:
             return [self.policy.infer(obs, noise=noise)]
-        if self.policy.family == "flow":
-            return [self.policy.reference_infer(obs, noise=noise)]
-        return [self.policy.reference_infer(obs)]  # ar: greedy, no noise
+        return [self.policy.reference_infer(obs, noise=noise)]
 
     def flush(self, timed: bool) -> list:
         """The chunks still in flight; their decode work counts toward throughput once the
@@ -329,16 +328,16 @@ def build_runs(bundle, names: list[str], cfg: ReplayConfig, gate_observations=No
     """One policy per mode sharing one model's weights (one converted copy per precision); each
     engine mode passes the parity gate (with ``cfg.parity_check``; on ``gate_observations``,
     two frames, when given) before it is timed."""
-    from vla_accel_ros.models.factory import sibling_policy
-    from vla_accel_ros.models.factory import load_policy
+    from vla_accel_ros.models.factory import load_policy, sibling_policy
 
     modes = {n: mode_of(n) for n in names}
     configs = {n: _policy_config(modes[n], cfg) for n in names}  # invalid overrides fail before loading
     piped = [n for n in names if modes[n].pipelined]
-    if piped and bundle.spec.family != "ar":
+    family = get_family(bundle.spec.family)
+    if piped and not family.pipelines:
         raise ConfigError(f"mode(s) {', '.join(piped)} pipeline ar decoding; bundle {bundle.spec.name} is {bundle.spec.family}")
     drafted = [n for n in names if configs[n].action_draft != "off"]
-    if drafted and bundle.spec.family != "ar":
+    if drafted and not family.token_actions:
         raise ConfigError(f"mode(s) {', '.join(drafted)} draft ar action tokens; bundle {bundle.spec.name} is {bundle.spec.family}")
     base = load_policy(bundle, configs[BASELINE])
     converted: dict = {}  # one converted copy of the weights per precision
@@ -385,16 +384,16 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
     """Replay ``cfg.bag`` through ``cfg.bundle`` in every mode; returns the report (see
     :mod:`vla_accel_ros.bench.report`)."""
     from vla_accel_ros.bench.progress import progress_bar
-    from vla_accel_ros.core.bundle import load_bundle, read_spec
     from vla_accel_ros.core.robot.config import SyncConfig
     from vla_accel_ros.io.bag_reader import BagReader
+    from vla_accel_ros.models.factory import load_bundle, read_model_spec
 
     cfg.validate()
     names = parse_modes(list(cfg.modes))
     bag_path, bundle_path = Path(cfg.bag), Path(cfg.bundle)
     if not bag_path.exists():
         raise BagError(f"bag {bag_path} does not exist")
-    spec = read_spec(bundle_path)  # BundleError when it is not a bundle; cheap, before the bag
+    spec = read_model_spec(bundle_path)  # BundleError when it is not a bundle; cheap, before the bag
     sync = SyncConfig.from_dict({**cfg.sync_overrides, "cameras": tuple(spec.cameras)})  # ConfigError before weights load
     bag_info = inspect_bag(bag_path, spec)
     if cfg.warmup >= bag_info["frames"]:
@@ -406,7 +405,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
     for r in runs:
         r.reset()  # forget the parity gate's frames
     ref = next(r.policy for r in runs if r.name == BASELINE)
-    flow_steps = ref.num_steps if spec.family == "flow" else 0
+    flow_steps = getattr(ref, "num_steps", 0)  # policies that integrate a flow; 0: token decoding
 
     frame_episodes: list[int] = []
     frame_stamps: list[int] = []
@@ -488,12 +487,12 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
 # ------------------------------------------------------------------------------ summaries
 
 
-def deviation(run: ModeRun, ref: ModeRun, std: np.ndarray, family: str) -> tuple[dict[str, Any], dict[str, list[float]]]:
+def deviation(run: ModeRun, ref: ModeRun, std: np.ndarray) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """Deviation from the baseline on the same frames: summary and per-frame series.
 
-    ar: share of identical action tokens and max |delta| in action units; flow (same noise
-    in every mode): max |delta| / action std."""
-    use_tokens = family == "ar" and run.tokens and ref.tokens
+    Policies that decode action tokens: share of identical tokens and max |delta| in action
+    units; the others (same noise in every mode): max |delta| / action std."""
+    use_tokens = run.tokens and ref.tokens
     dev = action_deviation(run.actions, ref.actions, std, *((run.tokens, ref.tokens) if use_tokens else ()))
     summary: dict[str, Any] = {
         "max_abs": max(dev.max_abs),
@@ -528,7 +527,7 @@ def summarize(runs: list[ModeRun], spec, truths: dict[int, list[str] | None] | N
         stale_frames = [float(s.get("staleness_calls", 0)) for s in r.stats]
         reuse = [float(s.get("reuse_fraction", 0.0)) for s in r.stats]  # transformers: no reuse
         kept = [float(s.get("tokens_kept_fraction", 1.0)) for s in r.stats]
-        dev, dev_series = deviation(r, ref, std, spec.family)
+        dev, dev_series = deviation(r, ref, std)
         components = sorted({k for f in r.flops for k in f})
         stages = [s for s in STAGES if any(s in t for t in r.stages)]
         out[r.name] = {
@@ -603,6 +602,7 @@ def _bundle_info(path: Path, spec, policy, flow_steps: int) -> dict[str, Any]:
         "path": str(path),
         "name": spec.name,
         "family": spec.family,
+        "token_actions": get_family(spec.family).token_actions,
         "parameters_m": round(params / 1e6, 2),
         "cameras": list(spec.cameras),
         "image_size": spec.image_size,
@@ -614,7 +614,7 @@ def _bundle_info(path: Path, spec, policy, flow_steps: int) -> dict[str, Any]:
                                             "num_attention_heads", "num_key_value_heads", "vocab_size")},  # fmt: skip
         "vision": {k: spec.vision.get(k) for k in ("num_hidden_layers", "hidden_size", "intermediate_size")},
     }
-    if spec.family == "flow":
+    if flow_steps:
         info["flow_steps"] = flow_steps
         info["expert"] = {k: spec.expert.get(k) for k in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim")}
     return info

@@ -21,17 +21,16 @@ TRUST_NOTE = (
 )
 
 
-def _deviation_cell(family: str, name: str, row: dict[str, Any]) -> str:
+def _deviation_cell(name: str, row: dict[str, Any]) -> str:
     if name == "baseline":
         return "(reference)"
     d = row["deviation"]
-    if family == "ar" and "identical_token_share" in d:
+    if "identical_token_share" in d:
         return f"tokens {100 * d['identical_token_share']:.1f}% identical, max abs {d['max_abs']:.4f}"
     return f"max abs/std {d['max_over_std']:.4f}"
 
 
 def headline_rows(result: dict[str, Any]) -> list[list[str]]:
-    fam = result["bundle"]["family"]
     rows = []
     for name in result["mode_order"]:
         r = result["modes"][name]
@@ -41,7 +40,7 @@ def headline_rows(result: dict[str, Any]) -> list[list[str]]:
             f"{r['speedup_vs_baseline']:.2f}x", f"{r['throughput_fps']:.2f} ({r['throughput_speedup_vs_baseline']:.2f}x)",
             f"{r['staleness_frames']['mean']:.1f}", f"{100 * r['reuse_fraction']['mean']:.1f}%",
             f"{100 * r.get('tokens_kept_fraction', {}).get('mean', 1.0):.1f}%",
-            _deviation_cell(fam, name, r), f"{r['flops']['gflops_per_frame']['mean']:.2f}",
+            _deviation_cell(name, r), f"{r['flops']['gflops_per_frame']['mean']:.2f}",
         ])  # fmt: skip
     return rows
 
@@ -162,7 +161,7 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
     fam = b["family"]
     dev_def = (
         "share of action tokens identical to the baseline's on the same frame, and max |delta| in action units"
-        if fam == "ar"
+        if b.get("token_actions")
         else "max |delta| / action std over the chunk, the same noise in every mode on a given frame"
     )
     lines = [
@@ -216,7 +215,7 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         f"not made {bag['skipped']}",
         f"- bundle: `{b['path']}`: {b['name']} ({fam}), {b['parameters_m']} M parameters, cameras "
         f"{', '.join(b['cameras'])} at {b['image_size']} px ({b['grid']}x{b['grid']} tokens), chunk "
-        f"{b['chunk_size']} x {b['action_dim']}" + (f", {b['flow_steps']} Euler steps" if fam == "flow" else ""),
+        f"{b['chunk_size']} x {b['action_dim']}" + (f", {b['flow_steps']} Euler steps" if b.get("flow_steps") else ""),
         f"- lm: {b['lm']}; vision: {b['vision']}" + (f"; expert: {b['expert']}" if "expert" in b else ""),
         f"- machine: {m['cpu_count']} CPUs ({m['cpus_usable']} usable), torch {m['torch']} with "
         f"{m['torch_threads']} threads, numpy {m['numpy']}, Python {m['python']}, {m['platform']}, "
@@ -275,7 +274,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     ax.legend()
     save(fig, PLOTS[1])
 
-    ar = result["bundle"]["family"] == "ar"
+    ar = bool(result["bundle"].get("token_actions"))  # token-decoding policies: a token panel too
     others = [n for n in names if n != "baseline"]
     fig, axes = plt.subplots(2 if ar else 1, 1, figsize=(7, 6 if ar else 4), squeeze=False)
     ax = axes[0][0]

@@ -20,8 +20,12 @@ def distribution(xs: Sequence[float]) -> dict[str, float]:
 
 
 def action_std(spec) -> np.ndarray:
-    """The bundle's per-dimension action std, floored so a constant joint cannot divide by 0.  # [D]"""
-    return np.maximum(np.asarray(spec.norm_stats["action"]["std"], dtype=np.float32), 1e-6)
+    """The bundle's per-dimension action spread (its std; half the min-max or quantile range
+    where the statistics have no std), floored so a constant joint cannot divide by 0.  # [D]"""
+    st = spec.norm_stats["action"]
+    lo, hi = ("min", "max") if "min" in st else ("q01", "q99")
+    spread = st["std"] if "std" in st else (np.asarray(st[hi]) - np.asarray(st[lo])) / 2
+    return np.maximum(np.asarray(spread, dtype=np.float32), 1e-6)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``vla-accel bundle create-demo | inspect``."""
+"""``vla-accel bundle create-demo | import | inspect``."""
 
 from __future__ import annotations
 
@@ -7,21 +7,42 @@ import sys
 import time
 from pathlib import Path
 
+from vla_accel_ros.models.family import family_names
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bundle", help="create and inspect model bundles")
+    p = sub.add_parser("bundle", help="create, import and inspect model bundles")
     bsub = p.add_subparsers(dest="bundle_command", metavar="ACTION", required=True)
 
     c = bsub.add_parser("create-demo", help="write a random-weight demo bundle")
-    c.add_argument("--family", choices=("ar", "flow"), required=True)
+    c.add_argument("--family", choices=family_names(), required=True)
     c.add_argument("--size", choices=("tiny", "small"), default="tiny")
     c.add_argument("--out", required=True, help="bundle directory to write")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--cameras", default="cam_high", help="comma-separated camera names (token order)")
     c.add_argument("--action-dim", type=int, default=14, help="14 = ALOHA bimanual joints")
-    c.add_argument("--chunk-size", type=int, default=None, help="default: ar 1, flow 50")
+    c.add_argument("--chunk-size", type=int, default=None, help="default: ar 1, flow and smolvla 50")
     c.add_argument("--lm-type", choices=("llama", "qwen2"), default="llama")
     c.set_defaults(func=_create)
+
+    m = bsub.add_parser(
+        "import", help="write a bundle from a LeRobot SmolVLA checkpoint (offline)",
+        description="Reads LeRobot's saved policy (config.json, model.safetensors, the pre/post-processor JSON and "
+        "statistics) and the SmolVLM directory its vlm_model_name names, and writes a smolvla bundle. Example: "
+        "vla-accel bundle import --lerobot ../shared/fixtures/smolvla-lerobot/policy --out models/smolvla-fixture",
+    )  # fmt: skip
+    m.add_argument("--lerobot", required=True, metavar="DIR", help="LeRobot's saved policy directory")
+    m.add_argument(
+        "--vlm", metavar="DIR",
+        help="the SmolVLM directory (config.json, tokenizer); default: vlm_model_name as a path, beside the checkpoint, "
+        "or in the local Hugging Face cache (never downloaded)",
+    )  # fmt: skip
+    m.add_argument("--out", required=True, help="bundle directory to write (never overwritten)")
+    m.add_argument("--name", default=None, help="bundle name (default: the checkpoint directory's name)")
+    m.add_argument("--joints", default="", help="comma-separated joint names, one per action dimension (default: ALOHA's for 14)")
+    m.add_argument("--fps", type=float, default=50.0, help="control rate the actions were recorded at (dt = 1/fps; default 50)")
+    m.add_argument("--instruction", default="", help="the task used when the policy node is given none")
+    m.set_defaults(func=_import)
 
     i = bsub.add_parser("inspect", help="print a bundle's configuration")
     i.add_argument("path")
@@ -44,6 +65,28 @@ def _create(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(inspect_bundle(path))
     print(f"written in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    if Path(args.out).exists():
+        print(f"vla-accel bundle import: {args.out} exists already; bundles are never overwritten (choose another --out)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if not args.fps > 0:
+        print(f"vla-accel bundle import: --fps {args.fps} must be > 0", file=sys.stderr)
+        return 2
+    from vla_accel_ros.models.factory import inspect_bundle
+    from vla_accel_ros.models.smolvla.lerobot_import import import_lerobot
+
+    t = time.perf_counter()
+    joints = tuple(j.strip() for j in args.joints.split(",") if j.strip()) or None
+    path = import_lerobot(
+        args.lerobot, args.out, vlm=args.vlm, name=args.name, joint_names=joints, fps=args.fps,
+        default_instruction=args.instruction,
+    )  # fmt: skip
+    print(inspect_bundle(path))
+    print(f"imported in {time.perf_counter() - t:.1f} s")
     return 0
 
 

@@ -25,8 +25,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vla_accel_ros.models.family import get_family
+
 DEMO_MODES = "transformers,baseline,cache,cache-max-reuse,prune,cache+prune"
-AR_DEMO_MODES = ("draft", "cache+prune+draft")  # added for the ar bundle with the default --modes
+DRAFT_DEMO_MODES = ("draft", "cache+prune+draft")  # added for a token-decoding bundle (ar) with the default --modes
 EVAL_MODES = "baseline,cache,cache+prune"
 
 
@@ -93,7 +95,8 @@ def _run(args: argparse.Namespace) -> int:
 
     reports = {}
     for family, bundle in bundles.items():
-        fam_modes = modes + AR_DEMO_MODES if family == "ar" and args.modes == DEMO_MODES else modes
+        drafts = get_family(family).token_actions and args.modes == DEMO_MODES
+        fam_modes = modes + DRAFT_DEMO_MODES if drafts else modes
         print(f"\n[demo] replay benchmark: {family} bundle, modes {','.join(fam_modes)}", flush=True)
         cfg = ReplayConfig(bag=bag, bundle=bundle, modes=fam_modes)
         result = run_replay(cfg, progress=True, command=f"vla-accel demo ({family})")

@@ -34,7 +34,7 @@ def _run(args: argparse.Namespace) -> int:
     obs = fixed_observation(policy.spec)
     programs, worst = {}, 0.0
     for name, (engine, slots) in policy_steps(policy).items():
-        policy.infer(obs, noise=gate_noise(policy.spec))  # a realistic cache state for the check
+        policy.infer(obs, noise=gate_noise(policy))  # a realistic cache state for the check
         ep = export_step(engine, slots)
         buf = io.BytesIO()
         torch.export.save(ep, buf)  # the check runs the saved and reloaded program

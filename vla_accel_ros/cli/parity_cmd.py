@@ -6,19 +6,33 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("parity", help="compare the engine with transformers' forward; exit 1 beyond tolerance")
+    p = sub.add_parser(
+        "parity",
+        help="compare the engine with the reference forward (or a reference implementation's outputs); exit 1 beyond tolerance",
+        description="Examples: vla-accel parity --bundle models/transfer_cube-flow --accel cache;  "
+        "vla-accel parity --bundle B --reference ../shared/fixtures/smolvla-lerobot",
+    )
     p.add_argument("--bundle", required=True)
-    p.add_argument("--tolerance", type=float, default=1e-3)
+    p.add_argument("--tolerance", type=float, default=None, help="default 1e-3 (1e-4 with --reference)")
     p.add_argument("--accel", default="none", help="acceleration whose path is gated (none, cache)")
     p.add_argument(
         "--precision", default="fp32",
         help="precision preset gated against the bundle's fp32 path (fp32, bf16, int8, hybrid, auto); limits: config/aloha.yaml",
     )  # fmt: skip
     p.add_argument("--compile", action="store_true", help="gate the compiled static steps (torch.compile)")
+    p.add_argument(
+        "--reference", metavar="DIR",
+        help="instead: compare the bundle's fp32 actions with a reference implementation's own outputs in DIR (a fixture "
+        "as in ../shared/fixtures/smolvla-lerobot/: raw observation, noise, expected actions, optional debug.* "
+        "intermediates); default --tolerance 1e-4 in units of the action spread",
+    )  # fmt: skip
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.reference:
+        return _reference(args)
+    args.tolerance = 1e-3 if args.tolerance is None else args.tolerance
     from vla_accel_ros.bench.progress import progress_bar
     from vla_accel_ros.core.errors import ParityError
     from vla_accel_ros.core.parity import PARITY_STEPS, run_parity
@@ -46,5 +60,27 @@ def _run(args: argparse.Namespace) -> int:
             report = run_parity(
                 policy, tolerance=args.tolerance, on_step=lambda name: (bar.set_postfix_str(name), bar.update(1))
             )
+    print(report.table())
+    return 0 if report.passed else 1
+
+
+def _reference(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from vla_accel_ros.core.policy_config import PolicyConfig
+    from vla_accel_ros.models.factory import load_policy
+    from vla_accel_ros.models.reference import check_fixture, load_fixture
+
+    tolerance = 1e-4 if args.tolerance is None else args.tolerance
+    if args.accel != "none" or args.precision != "fp32" or args.compile:
+        print("vla-accel parity: --reference compares the bundle's fp32 eager path; drop --accel / --precision / --compile")
+        return 2
+    fx = load_fixture(args.reference)
+    source = Path(args.bundle) / "source.json"  # an imported bundle: the reference's camera names
+    cameras = json.loads(source.read_text()).get("cameras") if source.is_file() else None
+    print(f"parity of {args.bundle} against the reference outputs in {args.reference}")
+    policy = load_policy(args.bundle, PolicyConfig(parity_check=False))
+    report = check_fixture(policy, fx, tolerance, cameras)
     print(report.table())
     return 0 if report.passed else 1

@@ -1,8 +1,14 @@
-"""Self-contained model bundles: ``config.json`` + ``model.safetensors``.
+"""Self-contained model bundles: ``config.json`` + ``model.safetensors`` (+ ``tokenizer/``).
 
-A bundle carries everything a policy needs (vla.cpp's lesson): architecture sizes, camera
-names, image size, instruction template, tokenizer, chunking, joint names and the
-normalization statistics. Weights load with safetensors only; nothing is unpickled.
+A bundle carries everything a policy needs (vla.cpp's lesson): its family, architecture sizes,
+camera names, image size and preprocessing, instruction template, tokenizer, chunking, joint
+names and the normalization statistics. Weights load with safetensors only; nothing is
+unpickled.
+
+This module checks what every bundle shares. What a family adds (its own fields and their
+consistency with the weights) is checked by the family's plug-in
+(:mod:`vla_accel_ros.models.family`), which the model loaders consult; the core does not know
+which families exist.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from vla_accel_ros.core.errors import BundleError, ConfigError
 FORMAT = "vla_accel_ros.bundle/1"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_DIR = "tokenizer"  # a bundle's own tokenizer files (``tokenizer: bundle``)
 
 
 # What a bundle may declare for its modules. Far beyond the models this package runs (a few
@@ -76,11 +83,29 @@ def _module_parameters(cfg: Mapping[str, Any]) -> int:
 class BundleSpec(Config):
     """The validated content of a bundle's config.json."""
 
-    family: str = param("ar", doc="policy family", choices=("ar", "flow"))
+    family: str = param(
+        "", doc="policy family: a registered plug-in (vla_accel_ros.models.family), e.g. ar, flow, smolvla"
+    )
     name: str = param("unnamed", doc="human-readable bundle name")
     cameras: tuple[str, ...] = param(("cam_high",), doc="camera names, in token order")
     image_size: int = param(224, doc="square image size fed to the vision tower", range=(14, 2048))
-    patch_size: int = param(14, doc="vision patch size in pixels", range=(1, 256))
+    patch_size: int = param(
+        14, doc="pixels per image-token side at image_size (a vision patch, or a block of them merged into one token)",
+        range=(1, 2048),
+    )
+    image_resize: str = param(
+        "square",
+        doc="how a camera frame becomes image_size x image_size: square (the package's one resize, Pillow, "
+        "aspect not kept; frames arrive resized) | pad (aspect kept, bilinear on [0, 1] floats, zero padding on "
+        "top and left, as LeRobot's SmolVLA; frames arrive at their own size and the policy resizes them)",
+        choices=("square", "pad"),
+    )
+    tokenizer: str = param(
+        "hash",
+        doc="hash (the hash-word tokenizer of the demo families, text_vocab buckets) | bundle (a transformers "
+        "tokenizer from the bundle's tokenizer/ directory, loaded offline)",
+        choices=("hash", "bundle"),
+    )
     instruction_template: str = param(
         "In: What action should the robot take to {instruction}?\nOut:", doc="prompt around the instruction"
     )
@@ -92,18 +117,21 @@ class BundleSpec(Config):
     dt: float = param(0.02, doc="seconds between consecutive actions", range=(1e-4, 10.0))
     joint_names: tuple[str, ...] = param((), doc="one name per action dimension")
     state_dim: int = param(0, doc="proprioceptive state size (0: no state input)", range=(0, 256))
-    num_steps: int = param(10, doc="flow: Euler steps per chunk", range=(1, 1000))
+    num_steps: int = param(10, doc="flow-matching families: Euler steps per chunk", range=(1, 1000))
     action_bins: int = param(256, doc="ar: action tokens = the last N vocabulary ids", range=(2, 65536))
     reasoning_words: tuple[str, ...] = param(
         (), doc="ar: the words a reasoning policy writes before <act> (ids just below the action bins; empty: no reasoning)"
     )
     max_reasoning_tokens: int = param(0, doc="ar: longest reasoning before <act> (0: no reasoning)", range=(0, 4096))
-    norm_stats: dict | None = None  # {"action": {mean,std,q01,q99}, "state": {mean,std}}
-    vision: dict | None = None  # SiglipVisionConfig kwargs
-    lm: dict | None = None  # Llama/Qwen2 config kwargs + model_type
-    expert: dict | None = None  # flow: the action expert's decoder config
+    norm_stats: dict | None = None  # {"action": {mean,std,q01,q99,...}, "state": {...}}
+    vision: dict | None = None  # the vision tower's transformers config kwargs
+    lm: dict | None = None  # the language model's decoder config kwargs + model_type
+    expert: dict | None = None  # flow-matching families: the action expert's decoder config
+    options: dict | None = None  # the family's own options (its plug-in validates them)
 
     def validate(self) -> None:
+        if not self.family:
+            raise ConfigError("family is required: the policy family of the bundle (e.g. ar, flow, smolvla)")
         if "{instruction}" not in self.instruction_template:
             raise ConfigError("instruction_template must contain '{instruction}'")
         if self.image_size % self.patch_size:
@@ -115,50 +143,31 @@ class BundleSpec(Config):
         for key in ("vision", "lm", "norm_stats"):
             if not isinstance(getattr(self, key), dict):
                 raise ConfigError(f"{key} must be a mapping")
-        modules = {"vision": self.vision, "lm": self.lm}
-        if self.family == "flow":
-            if not isinstance(self.expert, dict):
-                raise ConfigError("flow bundles need an 'expert' decoder config")
-            modules["expert"] = self.expert
+        for key in ("expert", "options"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), dict):
+                raise ConfigError(f"{key} must be a mapping when given")
+        modules = {"vision": self.vision, "lm": self.lm, **({"expert": self.expert} if self.expert else {})}
         for name, cfg in modules.items():
             _check_module(name, cfg)
         total = sum(_module_parameters(cfg) for cfg in modules.values())
         if total > MAX_PARAMETERS:
             sizes = ", ".join(f"{n}: {c['num_hidden_layers']} layers x hidden {c['hidden_size']}" for n, c in modules.items())
             raise ConfigError(f"the module sizes ({sizes}) add up to about {total:.3g} parameters, more than {MAX_PARAMETERS:.3g}")
-        if (self.vision.get("image_size"), self.vision.get("patch_size")) != (self.image_size, self.patch_size):
-            raise ConfigError("vision.image_size / vision.patch_size must equal image_size / patch_size")
         if "action" not in self.norm_stats:
             raise ConfigError("norm_stats.action is required")
         if self.state_dim and "state" not in self.norm_stats:
             raise ConfigError("norm_stats.state is required when state_dim > 0")
-        if self.family == "ar":
-            vocab = int(self.lm.get("vocab_size", 0))
-            n_words = len(self.reasoning_words)
-            if 3 + self.text_vocab + n_words > vocab - self.action_bins:
-                raise ConfigError(
-                    f"lm.vocab_size={vocab} leaves no room for 3 special + text_vocab={self.text_vocab} "
-                    f"+ {n_words} reasoning_words + action_bins={self.action_bins} ids"
-                )
-            if len(set(self.reasoning_words)) != n_words:
-                raise ConfigError("reasoning_words must be unique")
-            if bool(n_words) != bool(self.max_reasoning_tokens):
-                raise ConfigError(
-                    f"reasoning_words ({n_words} words) and max_reasoning_tokens={self.max_reasoning_tokens} "
-                    "must be both set (a reasoning policy) or both empty"
-                )
-        elif self.reasoning_words or self.max_reasoning_tokens:
-            raise ConfigError("reasoning_words / max_reasoning_tokens: only ar bundles write reasoning")
-        if self.family != "ar":
-            for key in ("num_hidden_layers", "num_key_value_heads"):
-                if self.expert.get(key) != self.lm.get(key):
-                    raise ConfigError(f"expert.{key} must equal lm.{key} (the expert attends to the VLM's K/V)")
-            if _head_dim(self.expert) != _head_dim(self.lm):
-                raise ConfigError("expert and lm must have the same head_dim")
 
     @property
     def grid(self) -> int:
+        """Image tokens per side of a camera's image."""
         return self.image_size // self.patch_size
+
+    @property
+    def frame_size(self) -> int:
+        """The square size the graph resizes camera frames to before the policy (0: frames keep
+        their own size, the policy's preprocessing resizes them)."""
+        return self.image_size if self.image_resize == "square" else 0
 
     @property
     def decoder_layers(self) -> int:
@@ -166,8 +175,9 @@ class BundleSpec(Config):
         return int(self.lm["num_hidden_layers"])
 
 
-def _head_dim(spec: Mapping[str, Any]) -> int:
-    return int(spec.get("head_dim") or spec["hidden_size"] // spec["num_attention_heads"])
+def head_dim(module: Mapping[str, Any]) -> int:
+    """Head size of a decoder config section (``head_dim``, else hidden / heads)."""
+    return int(module.get("head_dim") or module["hidden_size"] // module["num_attention_heads"])
 
 
 @dataclass
@@ -191,6 +201,8 @@ def read_spec(path: str | Path) -> BundleSpec:
     fmt = raw.pop("format", None)
     if fmt != FORMAT:
         raise BundleError(f"{cfg_path}: field 'format' is {fmt!r}, expected {FORMAT!r}")
+    if "family" not in raw:
+        raise BundleError(f"{cfg_path}: field 'family' is missing (the policy family of the bundle, e.g. ar, flow, smolvla)")
     try:
         return BundleSpec.from_dict(raw)
     except ConfigError as e:

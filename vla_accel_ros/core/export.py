@@ -15,8 +15,9 @@ JSON and the weights as raw tensor bytes (no pickle: the example inputs, which i
 with torch.save, are dropped); loading it needs this package imported so
 the two ops are registered.
 
-Steps per family: ``ar``: ``prefill`` (the prefix of the default instruction) and ``decode``
-(one token); ``flow``: ``prefill`` and ``expert`` (the action chunk over the cached prefix).
+Steps per family (its policy's ``static_steps``): ``ar``: ``prefill`` (the prefix of the default
+instruction) and ``decode`` (one token); ``flow``: ``prefill`` and ``expert`` (the action chunk
+over the cached prefix).
 Only fp32 and bf16 components export: PyTorch's int8 dynamic linear holds packed weights that
 live in the exporting process (compiled graphs reach them through ``vla_accel::int8_linear``).
 """
@@ -65,15 +66,11 @@ def export_step(engine: Engine, slots: torch.Tensor, positions: torch.Tensor | N
 
 
 def policy_steps(policy) -> dict[str, tuple[Engine, torch.Tensor]]:
-    """The static steps of a policy: name -> (engine, example slots)."""
-    spec = policy.spec
-    layout, _ = policy.layout_for(spec.default_instruction)
+    """The static steps of a policy: name -> (engine, example slots), for the prefix of its
+    default instruction (``policy.static_steps``: each family knows its steps)."""
+    layout, _ = policy.layout_for(policy.spec.default_instruction)
     policy.prepare_cache(layout)
-    prefix = torch.arange(layout.length)
-    if spec.family == "ar":
-        return {"prefill": (policy.engine, prefix), "decode": (policy.engine, torch.tensor([layout.length]))}
-    chunk = torch.arange(layout.length, layout.length + spec.chunk_size)
-    return {"prefill": (policy.vlm_engine, prefix), "expert": (policy.expert_engine, chunk)}
+    return policy.static_steps(layout)
 
 
 def export_policy(policy) -> dict[str, torch.export.ExportedProgram]:

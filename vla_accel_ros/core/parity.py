@@ -74,15 +74,16 @@ def fixed_observation(spec, seed: int = 1234) -> Observation:
         images[cam] = img[: spec.image_size, : spec.image_size].astype(np.uint8)
     state = None
     if spec.state_dim:
-        state = np.asarray(spec.norm_stats["state"]["mean"], dtype=np.float32) + 0.1 * rng.standard_normal(
-            spec.state_dim
-        ).astype(np.float32)
+        st = spec.norm_stats["state"]
+        center = st["mean"] if "mean" in st else (np.add(st["min"], st["max"]) / 2 if "min" in st else np.zeros(spec.state_dim))
+        state = np.asarray(center, dtype=np.float32) + 0.1 * rng.standard_normal(spec.state_dim).astype(np.float32)
     return Observation(images=images, instruction=spec.default_instruction, stamp_ns=0, state=state)
 
 
 def _normalized(policy, actions: np.ndarray) -> np.ndarray:
-    stats = policy.action_norm.stats
-    return (actions - stats["mean"]) / np.maximum(stats["std"], 1e-6)
+    """Actions in units of the bundle's action spread (``policy.action_scale()``: center, scale)."""
+    center, scale = policy.action_scale()
+    return (actions - center) / scale
 
 
 def changed_observation(obs: Observation, spec) -> Observation:
@@ -100,20 +101,16 @@ def changed_observation(obs: Observation, spec) -> Observation:
                        episode=obs.episode)  # fmt: skip
 
 
-def _reference(policy, obs: Observation, noise):
-    if policy.spec.family == "flow":
-        return policy.reference_infer(obs, noise=noise)
-    return policy.reference_infer(obs)
-
-
 PARITY_STEPS = ("prefix_hidden", "actions", "actions_reuse", "accelerated")
 
 
-def gate_noise(spec, seed: int = 1234) -> np.ndarray | None:
-    """The flow noise of every gate inference (None for ar)."""
-    if spec.family != "flow":
+def gate_noise(policy, seed: int = 1234) -> np.ndarray | None:
+    """The noise of every gate inference, of the shape ``policy.noise_shape`` (None: the policy
+    samples no noise, e.g. greedy token decoding)."""
+    shape = policy.noise_shape
+    if shape is None:
         return None
-    return np.random.default_rng(seed).standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
 def gate_frames(spec, seed: int = 1234, observations=None) -> tuple[Observation, Observation]:
@@ -139,14 +136,16 @@ def fp32_reference(fp32_policy, seed: int = 1234, observations=None) -> Fp32Refe
     """Run the gate's frames through ``fp32_policy``'s transformers path (an fp32 policy of the
     same bundle; it may be dropped afterwards)."""
     frames = gate_frames(fp32_policy.spec, seed, observations)
-    noise = gate_noise(fp32_policy.spec, seed)
-    return Fp32Reference(frames, noise, tuple(_reference(fp32_policy, o, noise) for o in frames))
+    noise = gate_noise(fp32_policy, seed)
+    return Fp32Reference(frames, noise, tuple(fp32_policy.reference_infer(o, noise=noise) for o in frames))
 
 
 def _check_precision(report: ParityReport, name: str, policy, got: ActionChunk, ref: ActionChunk) -> None:
-    """Reduced precision against fp32 at the ``precision.gate_*`` limits."""
+    """Reduced precision against fp32 at the ``precision.gate_*`` limits: policies that decode
+    action tokens by the share of identical tokens and the largest deviation in action units,
+    the others (same noise) by the largest deviation over the action spread."""
     limits = policy.config.precision
-    if policy.spec.family == "ar":
+    if "action_tokens" in ref.stats:
         same = np.mean([a == b for a, b in zip(got.stats["action_tokens"], ref.stats["action_tokens"])])
         # checked as 1 - share <= 1 - min share, so the report's rule "value <= tolerance" holds
         report.check(f"{name}_token_differ_share", float(1.0 - same), tolerance=1.0 - limits.gate_ar_min_identical_tokens)
@@ -164,7 +163,7 @@ def run_parity(
     observations=None,
     on_step: Callable[[str], None] | None = None,
 ) -> ParityReport:
-    """Compare ``policy`` (ArPolicy or FlowPolicy) with its transformers reference (fp32: the
+    """Compare ``policy`` (any family's) with its plain reference forward (fp32: the
     same modules; reduced precision: ``policy.fp32_reference``); the accelerated check runs
     when its planner is not the full recompute. ``observations``: the gate's two frames.
     ``on_step(name)`` after each of :data:`PARITY_STEPS` (progress; "accelerated" also when
@@ -177,7 +176,7 @@ def run_parity(
         (obs, second), noise = fp32.observations, fp32.noise
     else:
         obs, second = gate_frames(spec, seed, observations)
-        noise = gate_noise(spec, seed)
+        noise = gate_noise(policy, seed)
     report = ParityReport(tolerance=tolerance)
     policy.reset()
 
@@ -185,8 +184,8 @@ def run_parity(
         ref_h = policy.reference_prefix_hidden(obs)
         eng_h = policy.engine_prefix_hidden(obs)
         report.check("prefix_hidden_max_abs", float((ref_h - eng_h).abs().max()))
-        ref = _reference(policy, obs, noise)
-        ref2 = _reference(policy, second, noise) if cfg.accel != "none" else None
+        ref = policy.reference_infer(obs, noise=noise)
+        ref2 = policy.reference_infer(second, noise=noise) if cfg.accel != "none" else None
     else:
         ref, ref2 = fp32.chunks
         report.notes.append(f"precision {policy.precision.label()}: against the fp32 reference of the bundle")
@@ -203,7 +202,7 @@ def run_parity(
             _check_precision(report, name, policy, got, ref)
         else:
             report.check(f"{name}_max_abs_norm", float(delta.max()))
-        if spec.family == "ar" and exact:
+        if exact and "action_tokens" in ref.stats:
             mismatched = sum(a != b for a, b in zip(got.stats["action_tokens"], ref.stats["action_tokens"]))
             report.check(f"{name}_token_mismatches", float(mismatched), tolerance=0.0)
         step(name)
@@ -237,7 +236,7 @@ def _accelerated_check(policy, obs: Observation, second: Observation, noise, ref
     report.check("accel_second_frame_mean_abs_norm", float(delta.mean()), tolerance=tolerance)
     report.metrics["accel_second_frame_max_abs_norm"] = float(delta.max())
     st = got.stats
-    if policy.spec.family == "ar":
+    if "action_tokens" in ref.stats:
         same = np.mean([a == b for a, b in zip(st["action_tokens"], ref.stats["action_tokens"])])
         report.metrics["accel_identical_token_share"] = float(same)
     if cfg.uses_prune:

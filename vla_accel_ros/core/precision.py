@@ -25,8 +25,8 @@ K/V in bf16, as its attention reads them):
   decode steps take the int8 GEMV and its prefill the bf16 tiles, each the faster for its shape
   (on 2 Xeon cores with AMX one 768-wide layer: int8 2-3x faster than bf16 for one row, bf16
   2-3x faster than int8 for 280). Gradients (Real-Time Chunking) take bf16;
-* ``auto``: the family's measured default (:data:`FAMILY_DEFAULTS`); where the parity gate
-  refuses it, the first of :data:`AUTO_FALLBACKS` the gate accepts.
+* ``auto``: the family's measured default (its ``precision_defaults``); where the parity gate
+  refuses it, the first of its ``precision_fallbacks`` the gate accepts.
 
 Every reduced-precision configuration passes the parity gate against the fp32 reference of the
 same bundle (``gate_*`` limits below) or the policy refuses to start.
@@ -35,7 +35,7 @@ same bundle (``gate_*`` limits below) or the policy refuses to start.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Protocol
 
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError
@@ -43,22 +43,20 @@ from vla_accel_ros.core.errors import ConfigError
 PRECISIONS = ("fp32", "bf16", "int8", "hybrid")
 COMPONENTS = ("vision", "projector", "lm", "expert", "heads")
 
-# Measured on the small demo bundles on a 2-core Xeon (AMX, AVX512-BF16, VNNI), fastest
-# obs-to-action within the gate's default limits; see the README's "Runtime" section. The gate
-# still decides per bundle (see AUTO_FALLBACKS).
-FAMILY_DEFAULTS: dict[str, dict[str, str]] = {
-    "ar": {"vision": "bf16", "projector": "bf16", "lm": "hybrid", "expert": "fp32", "heads": "fp32"},
-    "flow": {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"},
-}
+class FamilyPrecision(Protocol):
+    """What a model family (a plug-in of ``vla_accel_ros.models``) tells the precision config.
 
-# When the parity gate refuses ``auto``'s configuration on a bundle, these are tried next, in
-# order (each takes more components back to fp32; components not set to ``auto`` keep their
-# value): a trained model can be more sensitive than the random ones the defaults were
-# measured on (the shipped ar bundle flips 25% of its tokens with its LM in int8 or hybrid).
-AUTO_FALLBACKS: dict[str, tuple[dict[str, str], ...]] = {
-    "ar": ({"lm": "fp32"}, {c: "fp32" for c in COMPONENTS}),
-    "flow": ({"expert": "fp32"}, {"lm": "fp32", "expert": "fp32"}, {c: "fp32" for c in COMPONENTS}),
-}
+    ``precision_defaults``: component -> what ``auto`` resolves to, measured per family (the
+    README's "Runtime" section); components the family does not have are absent and always run
+    fp32. ``precision_fallbacks``: when the parity gate refuses ``auto``'s configuration on a
+    bundle, these are tried next, in order (each takes more components back to fp32; components
+    not set to ``auto`` keep their value): a trained model can be more sensitive than the
+    random ones the defaults were measured on."""
+
+    name: str
+    precision_defaults: Mapping[str, str]
+    precision_fallbacks: tuple[Mapping[str, str], ...]
+
 
 # Named presets for the replay / eval mode suffix (``baseline@bf16``): overrides of
 # PrecisionConfig. ``bf16`` / ``int8`` reduce the LM and the action expert only.
@@ -119,23 +117,20 @@ class PrecisionConfig(Config):
         range=(0.0, 100.0),
     )
 
-    def resolve(self, family: str) -> "PrecisionConfig":
-        """``auto`` replaced by the family's default; ``expert`` is fp32 for families without one."""
-        if family not in FAMILY_DEFAULTS:
-            raise ConfigError(f"no precision defaults for family {family!r}")
-        defaults = FAMILY_DEFAULTS[family]
-        values = {c: defaults[c] if getattr(self, c) == "auto" else getattr(self, c) for c in COMPONENTS}
-        if family != "flow":
-            values["expert"] = "fp32"
-        return self.replace(**values)
+    def resolve(self, family: FamilyPrecision) -> "PrecisionConfig":
+        """``auto`` replaced by the family's default; components the family lacks (its defaults
+        do not name them, e.g. an ar bundle's expert) are fp32."""
+        defaults = family.precision_defaults
+        values = {c: defaults[c] if getattr(self, c) == "auto" else getattr(self, c) for c in COMPONENTS if c in defaults}
+        return self.replace(**{c: values.get(c, "fp32") for c in COMPONENTS})
 
-    def candidates(self, family: str) -> list["PrecisionConfig"]:
+    def candidates(self, family: FamilyPrecision) -> list["PrecisionConfig"]:
         """The resolved configurations to gate, in order: :meth:`resolve` first, then, for the
-        components set to ``auto``, the family's :data:`AUTO_FALLBACKS` (without repeats)."""
+        components set to ``auto``, the family's ``precision_fallbacks`` (without repeats)."""
         first = self.resolve(family)
         auto = [c for c in COMPONENTS if getattr(self, c) == "auto"]
         out = [first]
-        for fallback in AUTO_FALLBACKS[family] if auto else ():
+        for fallback in family.precision_fallbacks if auto else ():
             cand = first.replace(**{c: v for c, v in fallback.items() if c in auto})
             if all(cand.components() != o.components() for o in out):
                 out.append(cand)

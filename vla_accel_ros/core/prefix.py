@@ -21,7 +21,9 @@ from vla_accel_ros.core.engine import PruneHook, TapResult, TapSpec
 class PrefixLayout:
     """Slot layout of one observation's prefix (for the prefix, slot == RoPE position).
 
-    cameras[i]'s image tokens occupy ``image_slots(i)``: a row-major grid x grid block.
+    cameras[i]'s image tokens occupy ``image_slots(i)``: a row-major grid x grid block starting
+    at ``camera_start(i)``; consecutive cameras are ``camera_stride`` slots apart (0: adjacent;
+    more when special tokens sit around each camera's image, as SmolVLM's optional ones).
     ``fixed_slots`` hold tokens that never change within an episode (e.g. BOS).
     """
 
@@ -37,6 +39,7 @@ class PrefixLayout:
     fixed_slots: tuple[int, ...]
     attention: Literal["causal", "bidirectional"]
     num_layers: int
+    camera_stride: int = 0
 
     @property
     def tokens_per_camera(self) -> int:
@@ -46,10 +49,16 @@ class PrefixLayout:
     def num_image_tokens(self) -> int:
         return self.tokens_per_camera * len(self.cameras)
 
+    def camera_start(self, camera_index: int) -> int:
+        return self.image_start + camera_index * (self.camera_stride or self.tokens_per_camera)
+
     def image_slots(self, camera_index: int | None = None) -> torch.Tensor:
+        """Slots of one camera's image tokens, or of every camera's in camera order."""
         if camera_index is None:
-            return torch.arange(self.image_start, self.image_start + self.num_image_tokens)
-        s = self.image_start + camera_index * self.tokens_per_camera
+            if not self.camera_stride:
+                return torch.arange(self.image_start, self.image_start + self.num_image_tokens)
+            return torch.cat([self.image_slots(i) for i in range(len(self.cameras))])
+        s = self.camera_start(camera_index)
         return torch.arange(s, s + self.tokens_per_camera)
 
     def text_slots(self) -> torch.Tensor:
@@ -136,7 +145,8 @@ def plan_stats(
     earlier frame) or dropped (no valid K/V); ``tokens_kept_fraction`` is the mean over layers
     of the image tokens not dropped."""
     img = layout.image_slots()
-    lo, hi = int(img[0]), int(img[-1]) + 1
+    is_img = torch.zeros(layout.length, dtype=torch.bool)
+    is_img[img] = True
     n_img, L = layout.num_image_tokens, len(plan.layer_slots)
     gone = torch.zeros(layout.length, dtype=torch.bool)
     dropped_per_layer, kept_per_layer, computed_img = [], [], []
@@ -144,10 +154,10 @@ def plan_stats(
         for d in ((dropped or {}).get(l), plan.absent.get(l)):
             if d is not None:
                 gone[d[d < layout.length]] = True
-        n_gone = int(gone[lo:hi].sum())
+        n_gone = int((gone & is_img).sum())
         dropped_per_layer.append(n_gone)
         kept_per_layer.append(n_img - n_gone)
-        s_img = slots[(slots >= lo) & (slots < hi)]
+        s_img = slots[is_img[slots]]
         computed_img.append(int((~gone[s_img]).sum()))
     pairs = max(1, n_img * L)
     stats = {

@@ -31,8 +31,12 @@ from vla_accel_ros.core.precision import PrecisionConfig
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner, plan_stats
 from vla_accel_ros.core.reasoning.memo import ACT, CALIBRATION_FILE, Calibration, MemoState, Thresholds, decide
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
+from vla_accel_ros.core.precision import COMPONENTS
+from vla_accel_ros.models import demo
 from vla_accel_ros.models.base import PolicyBase, StageTimer, VisionPrefix
 from vla_accel_ros.models.common import HashWordTokenizer, Normalizer, build_decoder
+from vla_accel_ros.models.family import Family, check_vision_patch
+from vla_accel_ros.models.flops import decoder_layer_flops, prefix_flops
 
 
 # Rows of each decode forward after a draft's first rejection: the last token and the next
@@ -97,8 +101,7 @@ class ArPolicy(PolicyBase):
         self, spec: BundleSpec, model: ArVLA, config: PolicyConfig, planner: PrefixPlanner | None = None, *,
         bundle_path: str = "", precision: PrecisionConfig | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(spec, config, planner, precision)
-        self.bundle_path = bundle_path  # where a calibration file next to the weights is looked for
+        super().__init__(spec, config, planner, precision, bundle_path)
         self.model = model.eval().requires_grad_(False)
         self.num_action_tokens = spec.action_dim * spec.chunk_size
         self.stack = DecoderStack(model.decoder)
@@ -260,6 +263,50 @@ class ArPolicy(PolicyBase):
             hidden, tap = o.hidden[0, -1], o.taps
         self.planner.reset("external prefix write")
         return words, probs, mass
+
+    def bench_pairs(self, obs: Observation, layout: PrefixLayout, full: torch.Tensor) -> list:
+        """``vla-accel bench engine``'s comparisons, transformers against the engine: (name,
+        (label, fn), (label, fn), repeat factor) for the prefill, one decode token after it and
+        a whole inference. ``full``: the prefix embeddings [P, H]."""
+        P, lm = layout.length, self.model.lm
+        all_slots = layout.all_slots()
+        full_step = StepPlan(slots=all_slots, positions=all_slots, output_slots=all_slots[-1:])
+
+        def hf_prefill():
+            with torch.inference_mode():
+                return lm.model(inputs_embeds=full[None], use_cache=True)
+
+        def eng_prefill():
+            return self.engine.forward(full[None], full_step)
+
+        pkv = hf_prefill().past_key_values
+        eng_prefill()
+        tok = torch.tensor([[lm.config.vocab_size - 1]])
+        bins = self.spec.action_bins
+
+        def hf_decode():
+            with torch.inference_mode():
+                out = lm(input_ids=tok, past_key_values=pkv, use_cache=True)
+                pkv.crop(-1)
+                return int(out.logits[0, -1, -bins:].argmax())
+
+        slot = torch.tensor([P])
+        dplan = StepPlan(slots=slot, positions=slot, output_slots=slot)
+
+        def eng_decode():
+            with torch.inference_mode():
+                o = self.engine.forward(lm.model.embed_tokens(tok), dplan)
+                return int(self.model.action_logits(o.hidden[0, -1]).argmax())
+
+        return [
+            ("prefill", ("transformers", hf_prefill), ("engine", eng_prefill), 1),
+            ("decode step", ("transformers", hf_decode), ("engine", eng_decode), 4),
+            ("full infer", ("transformers", lambda: self.reference_infer(obs)), ("engine", lambda: self.infer(obs)), 1),
+        ]
+
+    def static_steps(self, layout: PrefixLayout) -> dict:
+        """The engine's static-shape steps (export): the full prefill and one decode row."""
+        return {"prefill": (self.engine, layout.all_slots()), "decode": (self.engine, torch.tensor([layout.length]))}
 
     def _make_layout(self, text_len: int) -> PrefixLayout:
         s = self.spec
@@ -481,8 +528,9 @@ class ArPolicy(PolicyBase):
 
     # -- the plain transformers path: parity gate and benchmark baseline -------------------------
     @torch.inference_mode()
-    def reference_infer(self, obs: Observation) -> ActionChunk:
-        """The same policy through transformers' own forward and DynamicCache (full vocab head)."""
+    def reference_infer(self, obs: Observation, *, noise: np.ndarray | None = None) -> ActionChunk:
+        """The same policy through transformers' own forward and DynamicCache (full vocab head);
+        greedy decoding: ``noise`` is ignored."""
         timer = StageTimer()
         with timer.stage("preprocess"):
             layout, ids = self.layout_for(obs.instruction)
@@ -526,3 +574,94 @@ class ArPolicy(PolicyBase):
         """transformers' final hidden state of the whole prefix.  # [P, H]"""
         _, full = self.full_prefix(obs)
         return self.model.lm.model(inputs_embeds=full[None]).last_hidden_state[0]
+
+
+class ArFamily(Family):
+    """``ar`` bundles: OpenVLA-style token decoding (the package's own, trained here)."""
+
+    name = "ar"
+    # Measured on the small demo bundles on a 2-core Xeon (AMX, AVX512-BF16, VNNI), fastest
+    # obs-to-action within the gate's default limits (README, "Runtime"). The shipped ar bundle
+    # flips 25% of its tokens with its LM in int8 or hybrid: the gate then takes the LM to fp32.
+    precision_defaults = {"vision": "bf16", "projector": "bf16", "lm": "hybrid", "heads": "fp32"}
+    precision_fallbacks = ({"lm": "fp32"}, {c: "fp32" for c in COMPONENTS})
+    heads = ("state_proj",)
+    token_actions = True
+    writes_reasoning = True
+    pipelines = True
+    trainable = True
+    default_chunk_size = 10
+
+    def validate_spec(self, spec: BundleSpec) -> None:
+        check_vision_patch(spec)
+        vocab = int(spec.lm.get("vocab_size", 0))
+        n_words = len(spec.reasoning_words)
+        if 3 + spec.text_vocab + n_words > vocab - spec.action_bins:
+            raise ConfigError(
+                f"lm.vocab_size={vocab} leaves no room for 3 special + text_vocab={spec.text_vocab} "
+                f"+ {n_words} reasoning_words + action_bins={spec.action_bins} ids"
+            )
+        if len(set(spec.reasoning_words)) != n_words:
+            raise ConfigError("reasoning_words must be unique")
+        if bool(n_words) != bool(spec.max_reasoning_tokens):
+            raise ConfigError(
+                f"reasoning_words ({n_words} words) and max_reasoning_tokens={spec.max_reasoning_tokens} "
+                "must be both set (a reasoning policy) or both empty"
+            )
+
+    def build_model(self, spec: BundleSpec) -> ArVLA:
+        return ArVLA(spec)
+
+    def make_policy(self, spec, model, config, planner, *, bundle_path: str = "", precision=None) -> ArPolicy:
+        return ArPolicy(spec, model, config, planner, bundle_path=bundle_path, precision=precision)
+
+    def describe(self, spec: BundleSpec) -> list[str]:
+        return [f"decoding    {spec.action_dim * spec.chunk_size} tokens from {spec.action_bins} bins"]
+
+    def decoder_layers(self, model: ArVLA) -> dict[str, nn.ModuleList]:
+        return {"lm": model.lm.model.layers}
+
+    def demo_spec(
+        self, size: str, *, cameras: tuple[str, ...] = ("cam_high",), action_dim: int = 14, chunk_size: int | None = None,
+        lm_type: str = "llama", state_dim: int | None = None, norm_stats: dict | None = None, name: str | None = None,
+        default_instruction: str | None = None, reasoning_words: tuple[str, ...] = (), max_reasoning_tokens: int = 0,
+    ) -> BundleSpec:  # fmt: skip
+        """A random-weight ``size`` bundle (no state input unless ``state_dim``); a reasoning
+        policy's words take the ids just below the action bins."""
+        sz = demo.size_table(size)
+        vocab = sz["vocab"]
+        state_dim = state_dim or 0
+        return BundleSpec(
+            family="ar", name=name or f"demo-ar-{size}", cameras=cameras, image_size=224, patch_size=14,
+            action_dim=action_dim, joint_names=demo.joint_names(action_dim), dt=0.02, state_dim=state_dim,
+            norm_stats=norm_stats or demo.demo_norm_stats(action_dim, state_dim),
+            vision={**sz["vision"], "image_size": 224, "patch_size": 14},
+            lm={"model_type": lm_type, **sz["lm"], "vocab_size": vocab, "max_position_embeddings": 4096, "rope_theta": 10000.0},
+            text_vocab=vocab - 256 - 3 - len(reasoning_words), action_bins=256, chunk_size=chunk_size or 1,
+            reasoning_words=tuple(reasoning_words), max_reasoning_tokens=max_reasoning_tokens,
+            **({"default_instruction": default_instruction} if default_instruction is not None else {}),
+        )  # fmt: skip
+
+    def flops(self, spec: BundleSpec, work, *, flow_steps: int) -> dict[str, float]:
+        lm = spec.lm
+        d, p = int(lm["hidden_size"]), work.prefix_len
+        out = prefix_flops(spec, work, causal=True)
+        a = spec.action_dim * spec.chunk_size
+        layers = int(lm["num_hidden_layers"])
+        r = work.reason_rows
+        if r or work.reason_steps:  # approximate: the rows at the end of the prefix, then steps
+            out["reason"] = layers * (
+                decoder_layer_flops(lm, r, r * (p + r / 2.0)) + work.reason_steps * decoder_layer_flops(lm, 1, p + r)
+            )
+        rows = a - 1 if work.decode_rows is None else work.decode_rows
+        # a decode row sees P + i keys, i = 1..A-1: P + A/2 on average (exact for plain decoding)
+        out["decode"] = layers * decoder_layer_flops(lm, rows, rows * (p + a / 2.0))
+        vocab = int(lm["vocab_size"])
+        # The engine scores the action bins of the last row only; transformers' causal LM
+        # head scores the whole vocabulary on every prefix row and every decoded token.
+        scored = 1 + work.draft_rows + rows  # the prefill's last row, draft rows, decode rows
+        out["head"] = 2.0 * d * vocab * (p + a - 1) if work.reference else 2.0 * d * spec.action_bins * scored
+        return out
+
+
+FAMILY = ArFamily()

@@ -26,13 +26,14 @@ from vla_accel_ros.core.robot.motion import MODE_NAMES
 from vla_accel_ros.core.types import Observation
 from vla_accel_ros.models.common import (
     Frames,
-    HashWordTokenizer,
     Normalizer,
     Projector,
     build_vision,
     format_instruction,
+    make_tokenizer,
     preprocess_frames,
 )
+from vla_accel_ros.models.family import get_family
 from vla_accel_ros.models.vision import VisionCache
 
 
@@ -103,23 +104,24 @@ class PolicyBase:
     family = ""
 
     def __init__(
-        self, spec: BundleSpec, config: PolicyConfig, planner: PrefixPlanner | None, precision: PrecisionConfig | None = None
-    ) -> None:
+        self, spec: BundleSpec, config: PolicyConfig, planner: PrefixPlanner | None, precision: PrecisionConfig | None = None,
+        bundle_path: str = "",
+    ) -> None:  # fmt: skip
         self.spec = spec
         self.config = config
         self.planner: PrefixPlanner = planner or FullRecompute()
-        self.tokenizer = HashWordTokenizer(spec.text_vocab)
+        self.bundle_path = bundle_path  # where files beside the weights are looked for (tokenizer, calibration)
+        self.tokenizer = self.make_tokenizer()
         self._layouts: dict[str, tuple[PrefixLayout, list[int]]] = {}
         self._static: dict[str, torch.Tensor] = {}
         self._chunk_id = 0
         self._vision_cache: VisionCache | None = None  # built by the first plan that reuses vision features
-        self.bundle_path = ""
         self.motion_mode = MOTION_MODES[0]
         # Names this policy's KV cache in every PrefixContext (a counter, never reused like id()).
         self.source = f"{spec.name}#{next(_INSTANCES)}"
         # What the weights run at (``auto`` resolved, or the fallback the gate accepted);
         # models.factory converted them to it.
-        self.precision = precision or config.precision.resolve(self.family)
+        self.precision = precision or config.precision.resolve(get_family(spec.family))
         self.state_norm = (
             Normalizer(spec.norm_stats["state"], spec.state_dim, "norm_stats.state") if spec.state_dim else None
         )
@@ -127,6 +129,17 @@ class PolicyBase:
             torch.set_num_threads(config.num_threads)
 
     # -- subclass hooks ---------------------------------------------------------------------
+    noise_shape: tuple[int, ...] | None = None  # of the noise ``infer`` takes (None: it samples none)
+
+    def action_scale(self) -> tuple[np.ndarray, np.ndarray]:
+        """(center, scale) of each action dimension: deviations are reported in these units."""
+        st = self.action_norm.stats
+        return st["mean"], np.maximum(st["std"], 1e-6)
+
+    def make_tokenizer(self):
+        """The bundle's tokenizer (a family whose checkpoints truncate long prompts says so here)."""
+        return make_tokenizer(self.spec, self.bundle_path)
+
     model: nn.Module  # has .vis (VisionPrefix)
 
     def _make_layout(self, text_len: int) -> PrefixLayout:
@@ -141,7 +154,8 @@ class PolicyBase:
         if layout.state_slot is not None:
             full[layout.state_slot] = self._state_embedding(obs.state)
 
-    def _state_embedding(self, state: np.ndarray | None) -> torch.Tensor:
+    def checked_state(self, state: np.ndarray | None) -> np.ndarray:
+        """The observation's state as a float32 vector of the bundle's size (ObservationError otherwise)."""
         s = self.spec
         if state is None:
             raise ObservationError(f"this {self.family} bundle needs a {s.state_dim}-D state in the observation")
@@ -150,7 +164,10 @@ class PolicyBase:
             raise ObservationError(f"observation state has {state.shape[0]} values, the bundle expects {s.state_dim}")
         if not np.isfinite(state).all():
             raise ObservationError("observation state has non-finite values")
-        z = torch.from_numpy(self.state_norm.normalize_meanstd(state).astype(np.float32))
+        return state
+
+    def _state_embedding(self, state: np.ndarray | None) -> torch.Tensor:
+        z = torch.from_numpy(self.state_norm.normalize_meanstd(self.checked_state(state)).astype(np.float32))
         return self.model.state_proj(z)
 
     prefix_engine: Engine
@@ -218,9 +235,12 @@ class PolicyBase:
         self.motion_mode = mode
 
     # -- shared steps -------------------------------------------------------------------------
+    def prompt(self, instruction: str) -> str:
+        """The text the tokenizer reads for ``instruction`` (the bundle's template around it)."""
+        return format_instruction(self.spec.instruction_template, instruction or self.spec.default_instruction)
+
     def text_ids(self, instruction: str) -> list[int]:
-        prompt = format_instruction(self.spec.instruction_template, instruction or self.spec.default_instruction)
-        ids = self.tokenizer.encode(prompt)
+        ids = self.tokenizer.encode(self.prompt(instruction))
         if len(ids) > self.spec.max_text_tokens:
             raise ObservationError(
                 f"instruction is {len(ids)} tokens long with its template; the bundle accepts "
@@ -339,7 +359,7 @@ class PolicyBase:
         """Cameras that have at least one image token among ``rows`` (others skip the vision tower)."""
         cams = []
         for i in range(len(layout.cameras)):
-            s = layout.image_start + i * layout.tokens_per_camera
+            s = layout.camera_start(i)
             if bool(((rows >= s) & (rows < s + layout.tokens_per_camera)).any()):
                 cams.append(i)
         return cams

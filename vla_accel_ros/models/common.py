@@ -7,6 +7,7 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -113,6 +114,46 @@ class HashWordTokenizer:
                 h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
             ids.append(self.offset + h % self.text_vocab)
         return ids
+
+
+class BundleTokenizer:
+    """A checkpoint's own tokenizer: transformers' ``AutoTokenizer`` over the files in the
+    bundle's ``tokenizer/`` directory, offline (never the network at run time). It encodes as
+    LeRobot's tokenizer step does (special tokens as the tokenizer adds them, truncated to
+    ``max_length`` when ``truncate``)."""
+
+    def __init__(self, path: Path, max_length: int, truncate: bool) -> None:
+        from transformers import AutoTokenizer
+
+        if not path.is_dir():
+            raise BundleError(f"{path}: the bundle's tokenizer directory is missing (tokenizer: bundle)")
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise BundleError(f"{path}: cannot load the tokenizer: {e}") from e
+        self.max_length, self.truncate = max_length, truncate
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, truncation=self.truncate, max_length=self.max_length)["input_ids"])
+
+    def token_id(self, token: str) -> int:
+        """The id of a special token (BundleError if the tokenizer lacks it)."""
+        i = self.tok.convert_tokens_to_ids(token)
+        if i is None or i == self.tok.unk_token_id:
+            raise BundleError(f"the bundle's tokenizer has no token {token!r}")
+        return int(i)
+
+
+def make_tokenizer(spec, bundle_path: str | Path = "", *, truncate: bool = False):
+    """The tokenizer a bundle declares: the hash-word tokenizer, or its own files (``truncate``:
+    longer prompts are cut at ``max_text_tokens``, else the policy refuses them)."""
+    if spec.tokenizer == "hash":
+        return HashWordTokenizer(spec.text_vocab)
+    if not bundle_path:
+        raise BundleError(f"bundle {spec.name} brings its own tokenizer (tokenizer: bundle): load it from its directory")
+    from vla_accel_ros.core.bundle import TOKENIZER_DIR
+
+    return BundleTokenizer(Path(bundle_path) / TOKENIZER_DIR, spec.max_text_tokens, truncate)
 
 
 def format_instruction(template: str, instruction: str) -> str:

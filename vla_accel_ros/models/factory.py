@@ -10,112 +10,48 @@ import numpy as np
 import torch
 from torch import nn
 
-from vla_accel_ros.core.bundle import WEIGHTS_FILE, Bundle, BundleSpec, load_bundle, read_spec, save_bundle
+from vla_accel_ros.core import bundle as core_bundle
+from vla_accel_ros.core.bundle import WEIGHTS_FILE, Bundle, BundleSpec, read_spec, save_bundle
 from vla_accel_ros.core.errors import BundleError, ConfigError, ParityError, VlaAccelError
 from vla_accel_ros.core.policy_config import PolicyConfig
-from vla_accel_ros.core.robot.config import ALOHA_JOINT_NAMES, ALOHA_START_ARM, PolicyNodeConfig
+from vla_accel_ros.core.robot.config import PolicyNodeConfig
 from vla_accel_ros.core.types import Observation
 from vla_accel_ros.core.prefix import PrefixPlanner
 from vla_accel_ros.models.base import make_planner
 from vla_accel_ros.models.common import skip_init
+from vla_accel_ros.models.family import Family, family_names, get_family
 
-ALOHA_START = np.array([*ALOHA_START_ARM, 0.5] * 2, dtype=np.float32)  # grippers half open
+def spec_family(spec: BundleSpec, where: str | Path = "") -> Family:
+    """The plug-in of ``spec``'s family, after it checked the spec (:class:`BundleError` naming
+    ``where`` and the field otherwise)."""
+    family = get_family(spec.family)
+    try:
+        family.validate_spec(spec)
+    except ConfigError as e:
+        raise BundleError(f"{where}: {e}" if where else str(e)) from e
+    return family
 
-# Model sizes. ``tiny`` keeps tests fast; ``mini`` (~7M parameters) is what ``vla-accel train``
-# trains on a CPU in about an hour (the shipped models/ bundles); ``small`` (~130M parameters)
-# is for CPU benchmarks. The vision grid is OpenVLA's 16 x 16 (224 px, 14 px patches) in all.
-SIZES = ("tiny", "mini", "small")
-_SIZES = {
-    "tiny": {
-        "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
-        "lm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
-        "expert": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, head_dim=16),
-        "vocab": 1024,
-    },
-    "mini": {
-        "vision": dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3),
-        "lm": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
-        "expert": dict(hidden_size=128, intermediate_size=512, num_attention_heads=4, head_dim=64),
-        "vocab": 1024,
-    },
-    "small": {
-        "vision": dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6),
-        "lm": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4),
-        "expert": dict(hidden_size=384, intermediate_size=1024, num_attention_heads=12, head_dim=64),
-        "vocab": 32000,
-    },
-}
+
+def read_model_spec(path: str | Path) -> BundleSpec:
+    """A bundle's config.json, checked by its family too (the loaders' first step)."""
+    spec = read_spec(path)
+    spec_family(spec, Path(path) / "config.json")
+    return spec
 
 
 def build_model(spec: BundleSpec) -> nn.Module:
-    if spec.family == "ar":
-        from vla_accel_ros.models.ar import ArVLA
-
-        return ArVLA(spec)
-    from vla_accel_ros.models.flow import FlowVLA
-
-    return FlowVLA(spec)
+    return spec_family(spec).build_model(spec)
 
 
-def demo_spec(
-    family: str,
-    size: str,
-    *,
-    cameras: tuple[str, ...] = ("cam_high",),
-    action_dim: int = 14,
-    chunk_size: int | None = None,
-    lm_type: str = "llama",
-    state_dim: int | None = None,
-    norm_stats: dict | None = None,
-    name: str | None = None,
-    default_instruction: str | None = None,
-    reasoning_words: tuple[str, ...] = (),
-    max_reasoning_tokens: int = 0,
-) -> BundleSpec:
-    """The spec of a ``size`` model of ``family``. Defaults: ALOHA joints, statistics around the
-    ALOHA start pose (random-weight demo bundles); ``vla-accel train`` passes the statistics of
-    its data. ``state_dim`` None: the family's default (flow: the action size; ar: no state)."""
-    if size not in _SIZES:
-        raise ConfigError(f"size={size!r} is not one of {', '.join(_SIZES)}")
-    if family not in ("ar", "flow"):
-        raise ConfigError(f"family={family!r} is not one of ar, flow")
-    sz = _SIZES[size]
-    vocab = sz["vocab"]
-    lm = {"model_type": lm_type, **sz["lm"], "vocab_size": vocab, "max_position_embeddings": 4096, "rope_theta": 10000.0}
-    vision = {**sz["vision"], "image_size": 224, "patch_size": 14}
-    joints = ALOHA_JOINT_NAMES if action_dim == 14 else tuple(f"joint_{i}" for i in range(action_dim))
-    if state_dim is None:
-        state_dim = action_dim if family == "flow" else 0
-    if norm_stats is None:
-        start = ALOHA_START if action_dim == 14 else np.zeros(action_dim, dtype=np.float32)
-        std = np.full(action_dim, 0.25, dtype=np.float32)
-        stats = {"mean": start, "std": std, "q01": start - 2.5 * std, "q99": start + 2.5 * std}
-        norm_stats = {"action": {k: v.tolist() for k, v in stats.items()}}
-        if state_dim:
-            s_mean = start if state_dim == action_dim else np.zeros(state_dim, dtype=np.float32)
-            norm_stats["state"] = {"mean": s_mean.tolist(), "std": [0.25] * state_dim}
-    common = dict(
-        cameras=cameras, image_size=224, patch_size=14, action_dim=action_dim, joint_names=joints,
-        vision=vision, dt=0.02, state_dim=state_dim, norm_stats=norm_stats, name=name or f"demo-{family}-{size}",
-    )  # fmt: skip
-    if default_instruction is not None:
-        common["default_instruction"] = default_instruction
-    if family == "ar":
-        # A reasoning policy's words take the ids just below the action bins.
-        return BundleSpec(
-            family="ar", text_vocab=vocab - 256 - 3 - len(reasoning_words), action_bins=256, chunk_size=chunk_size or 1,
-            lm=lm, reasoning_words=tuple(reasoning_words), max_reasoning_tokens=max_reasoning_tokens, **common,
-        )  # fmt: skip
-    expert = {
-        "model_type": lm_type, **sz["expert"], "num_hidden_layers": lm["num_hidden_layers"],
-        "num_key_value_heads": lm["num_key_value_heads"], "vocab_size": 1, "max_position_embeddings": 4096,
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-        "rope_theta": 10000.0,
-    }  # fmt: skip
-    return BundleSpec(
-        family="flow", text_vocab=vocab - 3, chunk_size=chunk_size or 50, num_steps=10,
-        instruction_template="{instruction}", lm=lm, expert=expert, **common,
-    )  # fmt: skip
+def demo_spec(family: str, size: str, **kwargs) -> BundleSpec:
+    """The spec of a random-weight ``size`` model of ``family`` (:mod:`vla_accel_ros.models.demo`;
+    keyword arguments: cameras, action_dim, chunk_size, lm_type, state_dim, norm_stats, name,
+    default_instruction, reasoning_words, max_reasoning_tokens, as the family takes them)."""
+    fam = get_family(family)
+    if not hasattr(fam, "demo_spec"):
+        with_demo = [n for n in family_names() if hasattr(get_family(n), "demo_spec")]
+        raise ConfigError(f"family={family!r} has no random-weight demo bundles; families that do: {', '.join(with_demo)}")
+    return fam.demo_spec(size, **kwargs)
 
 
 def create_demo_bundle(family: str, size: str, out: str | Path, *, seed: int = 0, **spec_kwargs) -> Path:
@@ -170,6 +106,13 @@ def stored_weights(path: str | Path) -> dict[str, tuple[tuple[int, ...], bool]]:
         raise BundleError(f"{weights}: unreadable safetensors file: {e}") from e
 
 
+def load_bundle(path: str | Path) -> Bundle:
+    """A bundle's config (checked by its family) and weights (safetensors)."""
+    bundle = core_bundle.load_bundle(path)
+    spec_family(bundle.spec, Path(path) / "config.json")
+    return bundle
+
+
 def model_from_bundle(bundle: Bundle) -> nn.Module:
     weights = {k: (tuple(v.shape), v.is_floating_point()) for k, v in bundle.state_dict.items()}
     check_weights(bundle.path, bundle.spec, weights)  # before anything is allocated
@@ -199,14 +142,14 @@ def load_for_robot(cfg: PolicyNodeConfig, instruction: str = ""):
     loaded (through the parity gate) and, with ``cfg.warmup``, run once on a blank observation."""
     if not cfg.bundle:
         raise VlaAccelError("parameter 'bundle' is empty: give the path of a model bundle")
-    spec = read_spec(cfg.bundle)
+    spec = read_model_spec(cfg.bundle)
     if tuple(spec.joint_names) != tuple(cfg.robot.joint_names):
         raise VlaAccelError(
             f"the bundle's joint_names {list(spec.joint_names)} differ from robot.joint_names {list(cfg.robot.joint_names)}"
         )
     if spec.state_dim and spec.state_dim != cfg.robot.dim:
         raise VlaAccelError(f"the bundle expects a {spec.state_dim}-D state, the robot has {cfg.robot.dim} joints")
-    if cfg.trigger == "pipelined" and spec.family != "ar":
+    if cfg.trigger == "pipelined" and not get_family(spec.family).pipelines:
         raise VlaAccelError(f"trigger=pipelined pipelines ar decoding; bundle {spec.name} is {spec.family}")
     if not cfg.policy.num_threads:
         # torch's default takes every core; the control loop, the camera callbacks and DDS
@@ -220,16 +163,6 @@ def load_for_robot(cfg: PolicyNodeConfig, instruction: str = ""):
         policy.infer(Observation(images=blank, instruction=instruction, stamp_ns=0, state=state))
         policy.reset()
     return policy
-
-
-def _policy(spec: BundleSpec, model: nn.Module, config: PolicyConfig, planner, bundle_path: str = "", precision=None):
-    if spec.family == "ar":
-        from vla_accel_ros.models.ar import ArPolicy
-
-        return ArPolicy(spec, model, config, planner, bundle_path=bundle_path, precision=precision)
-    from vla_accel_ros.models.flow import FlowPolicy
-
-    return FlowPolicy(spec, model, config, planner, precision=precision)
 
 
 def build_policy(
@@ -255,7 +188,8 @@ def build_policy(
     from vla_accel_ros.models.precision import convert_model
 
     config = config or PolicyConfig()
-    candidates = config.precision.candidates(spec.family)
+    family = spec_family(spec, where)
+    candidates = config.precision.candidates(family)
     fp32_ref = None
     refused: list[str] = []
     for precision in candidates:
@@ -264,15 +198,17 @@ def build_policy(
             key = precision.label()
             run_model = converted.get(key) if converted is not None else None
             if run_model is None:
-                run_model = convert_model(model, spec.family, precision)
+                run_model = convert_model(model, family, precision)
                 if converted is not None:
                     converted[key] = run_model
-        policy = _policy(spec, run_model, config, planner or make_planner(config), bundle_path, precision)
+        policy = family.make_policy(
+            spec, run_model, config, planner or make_planner(config), bundle_path=bundle_path, precision=precision
+        )
         if not config.parity_check:
             return policy
         if precision.reduced:
             if fp32_ref is None:
-                fp32 = _policy(spec, model, PolicyConfig(parity_check=False), None)
+                fp32 = family.make_policy(spec, model, PolicyConfig(parity_check=False), None, bundle_path=bundle_path)
                 fp32_ref = fp32_reference(fp32, observations=gate_observations)
             policy.fp32_reference = fp32_ref
         report = run_parity(policy, tolerance=config.parity_tolerance, observations=gate_observations)
@@ -297,7 +233,7 @@ def sibling_policy(policy, config: PolicyConfig, **kwargs):
 def inspect_bundle(path: str | Path) -> str:
     """A bundle's description once it passed the loader's checks (config fields and sizes,
     weights against the config), reading only the weights' header; raises :class:`BundleError`."""
-    spec = read_spec(path)
+    spec = read_model_spec(path)
     weights = stored_weights(path)
     check_weights(path, spec, weights)
     return describe(Path(path), spec, sum(math.prod(shape) for shape, _ in weights.values()))
@@ -308,18 +244,19 @@ def describe(path: Path, s: BundleSpec, parameters: int) -> str:
         f"bundle      {path}",
         f"name        {s.name} (family {s.family})",
         f"parameters  {parameters / 1e6:.1f} M",
-        f"cameras     {', '.join(s.cameras)} at {s.image_size}px, {s.grid}x{s.grid} tokens each",
+        f"cameras     {', '.join(s.cameras)} at {s.image_size}px ({s.image_resize}), {s.grid}x{s.grid} tokens each",
         f"lm          {s.lm.get('model_type', 'llama')}: {s.lm['num_hidden_layers']} layers, hidden {s.lm['hidden_size']}, "
         f"heads {s.lm['num_attention_heads']}/{s.lm.get('num_key_value_heads', s.lm['num_attention_heads'])} (q/kv)",
     ]
     if s.expert:
         lines.append(f"expert      hidden {s.expert['hidden_size']}, {s.expert['num_hidden_layers']} layers")
     lines += [
-        f"actions     chunk {s.chunk_size} x {s.action_dim}, dt {s.dt}s"
-        + (f", {s.num_steps} Euler steps" if s.family == "flow" else f", {s.action_dim * s.chunk_size} tokens from {s.action_bins} bins"),
+        f"actions     chunk {s.chunk_size} x {s.action_dim}, dt {s.dt}s",
+        *get_family(s.family).describe(s),
         f"joints      {', '.join(s.joint_names)}",
         f"state       {s.state_dim or 'none'}",
         f"template    {s.instruction_template!r}",
+        f"tokenizer   {s.tokenizer}",
         f"norm stats  {', '.join(sorted(s.norm_stats))}",
     ]
     return "\n".join(lines)

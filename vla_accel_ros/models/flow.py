@@ -26,8 +26,12 @@ from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.precision import PrecisionConfig
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner, plan_stats
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
+from vla_accel_ros.core.precision import COMPONENTS
+from vla_accel_ros.models import demo
 from vla_accel_ros.models.base import PolicyBase, StageTimer, VisionPrefix
 from vla_accel_ros.models.common import Normalizer, build_decoder, sincos_embedding
+from vla_accel_ros.models.family import Family, check_expert_shares_cache, check_vision_patch
+from vla_accel_ros.models.flops import denoise_step_flops, prefix_flops
 
 
 class FlowVLA(nn.Module):
@@ -73,29 +77,46 @@ class FlowPolicy(PolicyBase):
 
     def __init__(
         self, spec: BundleSpec, model: FlowVLA, config: PolicyConfig, planner: PrefixPlanner | None = None, *,
-        precision: PrecisionConfig | None = None,
+        precision: PrecisionConfig | None = None, bundle_path: str = "",
     ) -> None:  # fmt: skip
-        super().__init__(spec, config, planner, precision)
+        super().__init__(spec, config, planner, precision, bundle_path)
         # Inference only; RTC differentiates w.r.t. the chunk, never the weights.
         self.model = model.eval().requires_grad_(False)
         self.vlm_stack = DecoderStack(model.vlm)
-        self.expert_stack = DecoderStack(model.expert)
-        g = spec.grid
-        self.max_prefix = len(spec.cameras) * g * g + spec.max_text_tokens + (1 if spec.state_dim else 0)
-        self.max_slots = self.max_prefix + spec.chunk_size
-        # One cache: the VLM writes the prefix rows, the expert writes and reads the chunk rows.
-        # In bf16 when both decoders attend in bf16 (the expert's chunk rows always do): K/V
-        # are stored as attention reads them, instead of the whole prefix being cast to bf16
-        # at every Euler step.
-        low = [self.precision.bf16_attention_above(c) for c in ("lm", "expert")]
-        bf16_kv = None not in low and spec.chunk_size > low[1]
-        self.cache = self.vlm_stack.make_cache(self.max_slots, dtype=torch.bfloat16 if bf16_kv else torch.float32)
-        self.vlm_engine = self.make_engine(self.vlm_stack, self.cache, self.max_slots)
-        self.expert_engine = self.make_engine(self.expert_stack, self.cache, self.max_slots, component="expert")
+        self.max_prefix = self.prefix_capacity()
+        self._build_engines()
         self.prefix_engine = self.vlm_engine
         self.action_norm = Normalizer(spec.norm_stats["action"], spec.action_dim, "norm_stats.action")
         self._layout_len = -1
         self._rng = np.random.default_rng(config.seed)
+
+    def prefix_capacity(self) -> int:
+        """The longest prefix a layout of this bundle can have (slots the cache holds for it)."""
+        g = self.spec.grid
+        return len(self.spec.cameras) * g * g + self.spec.max_text_tokens + (1 if self.spec.state_dim else 0)
+
+    def kv_dtype(self) -> torch.dtype:
+        """bf16 when both decoders attend in bf16 (the expert's chunk rows always do): K/V are
+        then stored as attention reads them, instead of the whole prefix being cast to bf16 at
+        every Euler step."""
+        low = [self.precision.bf16_attention_above(c) for c in ("lm", "expert")]
+        return torch.bfloat16 if None not in low and self.spec.chunk_size > low[1] else torch.float32
+
+    def _build_engines(self) -> None:
+        """One cache: the VLM writes the prefix rows, the expert writes and reads the chunk rows."""
+        self.expert_stack = DecoderStack(self.model.expert)
+        self.max_slots = self.max_prefix + self.spec.chunk_size
+        self.cache = self.vlm_stack.make_cache(self.max_slots, dtype=self.kv_dtype())
+        self.vlm_engine = self.make_engine(self.vlm_stack, self.cache, self.max_slots)
+        self.expert_engine = self.make_engine(self.expert_stack, self.cache, self.max_slots, component="expert")
+
+    def actions_out(self, x: torch.Tensor) -> np.ndarray:
+        """The integrated chunk [1, H, D] (normalized) -> actions [H, action_dim] in robot units."""
+        return self.action_norm.unnormalize_meanstd(x[0].detach().numpy()).astype(np.float32)
+
+    @property
+    def noise_shape(self) -> tuple[int, int]:
+        return (self.spec.chunk_size, self.spec.action_dim)
 
     @property
     def num_steps(self) -> int:
@@ -112,6 +133,48 @@ class FlowPolicy(PolicyBase):
             num_layers=self.vlm_stack.num_layers,
         )  # fmt: skip
 
+    def bench_pairs(self, obs: Observation, layout: PrefixLayout, full: torch.Tensor) -> list:
+        """``vla-accel bench engine``'s comparisons, transformers against the engine: (name,
+        (label, fn), (label, fn), repeat factor) for the prefill, one denoise step over the
+        cached prefix and a whole inference. ``full``: the prefix embeddings [P, H]."""
+        P, h = layout.length, self.spec.chunk_size
+        all_slots = layout.all_slots()
+        full_step = StepPlan(slots=all_slots, positions=all_slots, output_slots=all_slots[-1:])
+        x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, h, self.spec.action_dim)).astype(np.float32))
+        mask = torch.ones(1, 1, P, P, dtype=torch.bool)
+
+        def hf_prefill():
+            with torch.inference_mode():
+                return self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True)
+
+        def eng_prefill():
+            return self.vlm_engine.forward(full[None], full_step)
+
+        pkv = hf_prefill().past_key_values
+        eng_prefill()
+        pos = torch.arange(P, P + h)[None]
+        smask = torch.ones(1, 1, h, P + h, dtype=torch.bool)
+
+        def hf_step():
+            with torch.inference_mode():
+                emb = self.model.suffix_embeddings(x, 0.5)
+                out = self.model.expert(inputs_embeds=emb, attention_mask=smask, position_ids=pos, past_key_values=pkv, use_cache=True)
+                pkv.crop(-h)
+                return self.model.action_out(out.last_hidden_state)
+
+        noise = x[0].numpy()
+        return [
+            ("prefill", ("transformers", hf_prefill), ("engine", eng_prefill), 1),
+            ("denoise step", ("transformers", hf_step), ("engine", lambda: self.velocity(x, 0.5, P)), 1),
+            ("full infer", ("transformers", lambda: self.reference_infer(obs, noise=noise)),
+             ("engine", lambda: self.infer(obs, noise=noise)), 1),
+        ]  # fmt: skip
+
+    def static_steps(self, layout: PrefixLayout) -> dict:
+        """The engine's static-shape steps (export): the full prefill and one expert pass."""
+        chunk = torch.arange(layout.length, layout.length + self.spec.chunk_size)
+        return {"prefill": (self.vlm_engine, layout.all_slots()), "expert": (self.expert_engine, chunk)}
+
     def prepare_cache(self, layout: PrefixLayout) -> None:
         length = layout.length
         if length != self._layout_len:
@@ -126,7 +189,7 @@ class FlowPolicy(PolicyBase):
         return static
 
     def _noise(self, noise: np.ndarray | None) -> torch.Tensor:
-        shape = (self.spec.chunk_size, self.spec.action_dim)
+        shape = self.noise_shape
         if noise is None:
             noise = self._rng.standard_normal(shape).astype(np.float32)
         noise = np.asarray(noise, dtype=np.float32)
@@ -214,7 +277,7 @@ class FlowPolicy(PolicyBase):
         with timer.stage("denoise"):
             x = self.denoise(x0, layout.length, guidance)
         with timer.stage("postprocess"):
-            actions = self.action_norm.unnormalize_meanstd(x[0].detach().numpy()).astype(np.float32)
+            actions = self.actions_out(x)
             if guidance is not None and guidance.frozen > 0:
                 # The frozen prefix executes from the old chunk anyway; return it exactly.
                 d = min(guidance.frozen, actions.shape[0], len(guidance.prev_actions))
@@ -272,10 +335,9 @@ class FlowPolicy(PolicyBase):
         return loss, {"loss": float(loss.detach())}
 
     # -- the plain transformers path: parity gate and benchmark baseline -------------------------
-    @torch.inference_mode()
-    def reference_infer(self, obs: Observation, *, noise: np.ndarray | None = None) -> ActionChunk:
-        """transformers' own forwards: the VLM prefix once into a DynamicCache, then per Euler
-        step the expert over that cache (cropped back to the prefix after each step)."""
+    def reference_prefix(self, obs: Observation, noise: np.ndarray | None) -> tuple[StageTimer, PrefixLayout, torch.Tensor, torch.Tensor]:
+        """The reference path's start: its timer (preprocess and vision timed), the layout, the
+        whole prefix's embeddings [P, H] and the noise [1, H, D]."""
         timer = StageTimer()
         with timer.stage("preprocess"):
             layout, ids = self.layout_for(obs.instruction)
@@ -283,6 +345,13 @@ class FlowPolicy(PolicyBase):
             x = self._noise(noise)
         with timer.stage("vision"):
             full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.all_cameras(layout))
+        return timer, layout, full, x
+
+    @torch.inference_mode()
+    def reference_infer(self, obs: Observation, *, noise: np.ndarray | None = None) -> ActionChunk:
+        """transformers' own forwards: the VLM prefix once into a DynamicCache, then per Euler
+        step the expert over that cache (cropped back to the prefix after each step)."""
+        timer, layout, full, x = self.reference_prefix(obs, noise)
         p, h = layout.length, self.spec.chunk_size
         with timer.stage("prefill"):
             mask = torch.ones(1, 1, p, p, dtype=torch.bool)
@@ -311,3 +380,67 @@ class FlowPolicy(PolicyBase):
         layout, full = self.full_prefix(obs)
         mask = torch.ones(1, 1, layout.length, layout.length, dtype=torch.bool)
         return self.model.vlm(inputs_embeds=full[None], attention_mask=mask).last_hidden_state[0]
+
+
+class FlowFamily(Family):
+    """``flow`` bundles: a SmolVLA / pi0-style flow-matching policy (the package's own, trained here)."""
+
+    name = "flow"
+    # Measured on the small demo bundles (README, "Runtime"); the gate takes the expert, then
+    # the LM too, back to fp32 where a bundle does not tolerate bf16.
+    precision_defaults = {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"}
+    precision_fallbacks = ({"expert": "fp32"}, {"lm": "fp32", "expert": "fp32"}, {c: "fp32" for c in COMPONENTS})
+    heads = ("state_proj", "action_in", "time_in", "time_out", "action_out")
+    trainable = True
+    default_chunk_size = 50
+
+    def validate_spec(self, spec: BundleSpec) -> None:
+        super().validate_spec(spec)
+        check_vision_patch(spec)
+        check_expert_shares_cache(spec)
+
+    def build_model(self, spec: BundleSpec) -> FlowVLA:
+        return FlowVLA(spec)
+
+    def make_policy(self, spec, model, config, planner, *, bundle_path: str = "", precision=None) -> FlowPolicy:
+        return FlowPolicy(spec, model, config, planner, precision=precision, bundle_path=bundle_path)
+
+    def describe(self, spec: BundleSpec) -> list[str]:
+        return [f"denoising   {spec.num_steps} Euler steps"]
+
+    def decoder_layers(self, model: FlowVLA) -> dict[str, nn.ModuleList]:
+        return {"lm": model.vlm.layers, "expert": model.expert.layers}
+
+    def demo_spec(
+        self, size: str, *, cameras: tuple[str, ...] = ("cam_high",), action_dim: int = 14, chunk_size: int | None = None,
+        lm_type: str = "llama", state_dim: int | None = None, norm_stats: dict | None = None, name: str | None = None,
+        default_instruction: str | None = None, reasoning_words: tuple[str, ...] = (), max_reasoning_tokens: int = 0,
+    ) -> BundleSpec:  # fmt: skip
+        """A random-weight ``size`` bundle; the state input is the action size unless ``state_dim``."""
+        sz = demo.size_table(size)
+        vocab = sz["vocab"]
+        lm = {"model_type": lm_type, **sz["lm"], "vocab_size": vocab, "max_position_embeddings": 4096, "rope_theta": 10000.0}
+        state_dim = action_dim if state_dim is None else state_dim
+        expert = {
+            "model_type": lm_type, **sz["expert"], "num_hidden_layers": lm["num_hidden_layers"],
+            "num_key_value_heads": lm["num_key_value_heads"], "vocab_size": 1, "max_position_embeddings": 4096,
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "rope_theta": 10000.0,
+        }  # fmt: skip
+        return BundleSpec(
+            family="flow", name=name or f"demo-flow-{size}", cameras=cameras, image_size=224, patch_size=14,
+            action_dim=action_dim, joint_names=demo.joint_names(action_dim), dt=0.02, state_dim=state_dim,
+            norm_stats=norm_stats or demo.demo_norm_stats(action_dim, state_dim),
+            vision={**sz["vision"], "image_size": 224, "patch_size": 14}, text_vocab=vocab - 3,
+            chunk_size=chunk_size or 50, num_steps=10, instruction_template="{instruction}", lm=lm, expert=expert,
+            reasoning_words=tuple(reasoning_words), max_reasoning_tokens=max_reasoning_tokens,
+            **({"default_instruction": default_instruction} if default_instruction is not None else {}),
+        )  # fmt: skip
+
+    def flops(self, spec: BundleSpec, work, *, flow_steps: int) -> dict[str, float]:
+        out = prefix_flops(spec, work, causal=False)
+        out["denoise"] = flow_steps * denoise_step_flops(spec.expert, spec.chunk_size, work.prefix_len, spec.action_dim)
+        out["state"] = 2.0 * spec.state_dim * int(spec.lm["hidden_size"])  # the state token's projection
+        return out
+
+
+FAMILY = FlowFamily()

@@ -37,6 +37,7 @@ from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlan, plan_stats
 from vla_accel_ros.core.types import ActionChunk, Observation
 from vla_accel_ros.models.base import StageTimer, make_planner
+from vla_accel_ros.models.family import get_family
 from vla_accel_ros.models.vision import VisionCache
 
 
@@ -76,8 +77,8 @@ class PipelinedAr:
     """
 
     def __init__(self, policy, *, depth: int = 0, steps: int = 0) -> None:
-        if policy.family != "ar":
-            raise ConfigError(f"pipelined decoding is for ar policies, not {policy.family}")
+        if not get_family(policy.spec.family).pipelines:
+            raise ConfigError(f"pipelined decoding is for ar policies, not {policy.spec.family}")
         if getattr(policy, "reasoning_words", ()):
             raise ConfigError(
                 f"pipelined decoding does not run reasoning bundles ({policy.spec.name} writes reasoning before its "

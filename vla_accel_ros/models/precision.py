@@ -88,23 +88,14 @@ def _prepack_available() -> bool:
 _PREPACK = _prepack_available()
 
 
-_HEADS = {"ar": ("state_proj",), "flow": ("state_proj", "action_in", "time_in", "time_out", "action_out")}
-
-
-def _decoder_layers(model: nn.Module, family: str) -> dict[str, nn.ModuleList]:
-    """The decoder layers of each decoder component (lm; flow's expert)."""
-    return {"lm": model.lm.model.layers} if family == "ar" else {"lm": model.vlm.layers, "expert": model.expert.layers}
-
-
-def component_linears(model: nn.Module, family: str) -> dict[str, list[tuple[nn.Module, str]]]:
-    """Per component, the Linear layers its precision applies to, as (parent, attribute)."""
-    if family not in _HEADS:
-        raise ConfigError(f"no precision components for family {family!r}")
-    roots = {"vision": [model.vis.vision], "projector": [model.vis.projector], "expert": []}
-    roots.update({c: [layers] for c, layers in _decoder_layers(model, family).items()})
+def component_linears(model: nn.Module, family) -> dict[str, list[tuple[nn.Module, str]]]:
+    """Per component, the Linear layers its precision applies to, as (parent, attribute);
+    ``family``: the model's :class:`~vla_accel_ros.models.family.Family` (its decoders, towers and heads)."""
+    roots = {"vision": [], "projector": [], "expert": [], **family.component_roots(model)}
+    roots.update({c: [layers] for c, layers in family.decoder_layers(model).items()})
     out = {c: [(parent, name) for root in mods for parent in root.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)] for c, mods in roots.items()}  # fmt: skip
-    out["heads"] = [(model, n) for n in _HEADS[family] if isinstance(getattr(model, n, None), nn.Linear)]
+    out["heads"] = [(model, n) for n in family.heads if isinstance(getattr(model, n, None), nn.Linear)]
     return {c: out[c] for c in COMPONENTS}
 
 
@@ -269,11 +260,12 @@ class FusedLinear:
 _PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 
 
-def projection_groups(model: nn.Module, family: str, precision: PrecisionConfig) -> list[tuple[nn.Module, tuple[str, ...]]]:
+def projection_groups(model: nn.Module, family, precision: PrecisionConfig) -> list[tuple[nn.Module, tuple[str, ...]]]:
     """(parent, names) of the q/k/v and gate/up projections of each decoder layer of the
-    reduced-precision decoders (lm; flow's expert): what :class:`FusedLinear` groups."""
+    reduced-precision decoders (lm; an expert): what :class:`FusedLinear` groups. Projections
+    of different inputs (a cross-attention layer's k/v read the VLM's keys) stay apart."""
     out = []
-    for component, layers in _decoder_layers(model, family).items():
+    for component, layers in family.decoder_layers(model).items():
         if getattr(precision, component) not in ("bf16", "int8", "hybrid"):
             continue
         for layer in layers:
@@ -291,7 +283,7 @@ def _converter(p: str, precision: PrecisionConfig):
     return {"bf16": Bf16Linear, "int8": Int8Linear}[p]
 
 
-def convert_model(model: nn.Module, family: str, precision: PrecisionConfig) -> nn.Module:
+def convert_model(model: nn.Module, family, precision: PrecisionConfig) -> nn.Module:
     """A copy of ``model`` with each component at its precision (``precision`` resolved: no
     ``auto``); ``model`` itself when every component is fp32."""
     if not precision.reduced:

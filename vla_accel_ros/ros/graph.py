@@ -168,7 +168,7 @@ def describe(
 
         spec = read_spec(bundle)
         policy["bundle"] = str(Path(bundle).resolve())
-        camera["image_size"] = int(spec.image_size)
+        camera["image_size"] = int(spec.frame_size)  # 0: frames keep their size, the policy resizes them
         by_name = dict(zip(cameras, topics))
         tr = dict(zip(cameras, transports if len(transports) == len(cameras) else transports * len(cameras)))
         new_topics = []

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from vla_accel_ros.core.config import Config, param
-from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.errors import BundleError, ConfigError
+from vla_accel_ros.models.family import family_names, get_family
 from vla_accel_ros.train.data import ChunkDataset, DataStats, Episode, compute_stats, split_episodes
 
 CHECKPOINT_DIR = "checkpoint"
@@ -34,10 +35,10 @@ LOG_FILE = "train_log.jsonl"
 
 @dataclass(frozen=True)
 class TrainConfig(Config):
-    family: str = param("flow", doc="policy family", choices=("ar", "flow"))
+    family: str = param("flow", doc="policy family (one that trains from bags: ar, flow)")
     size: str = param("mini", doc="model size preset", choices=("tiny", "mini", "small"))
     cameras: tuple[str, ...] = param(("cam_high",), doc="ROS camera names the policy sees, in token order")
-    chunk_size: int = param(0, doc="actions per inference (0: the family's default, ar 10, flow 50)", range=(0, 1024))
+    chunk_size: int = param(0, doc="actions per inference (0: the family's default: ar 10, flow 50)", range=(0, 1024))
     epochs: int = param(20, doc="passes over the training frames", range=(1, 100_000))
     batch_size: int = param(16, doc="samples per optimizer step", range=(1, 4096))
     lr: float = param(3e-4, doc="peak AdamW learning rate", range=(1e-7, 1.0))
@@ -62,11 +63,18 @@ class TrainConfig(Config):
     init_from: str = param("", doc="start from the weights of this bundle (same module shapes; '': random init)")
 
     def validate(self) -> None:
-        if self.reasoning and self.family != "ar":
-            raise ConfigError(f"TrainConfig.reasoning={self.reasoning!r}: only the ar family writes reasoning")
+        try:
+            family = get_family(self.family)
+        except BundleError as e:
+            raise ConfigError(f"TrainConfig.family={self.family!r}: not one of {', '.join(family_names())}") from e
+        if not family.trainable:
+            trainable = [n for n in family_names() if get_family(n).trainable]
+            raise ConfigError(f"TrainConfig.family={self.family!r} does not train from bags here; use one of {', '.join(trainable)}")
+        if self.reasoning and not family.writes_reasoning:
+            raise ConfigError(f"TrainConfig.reasoning={self.reasoning!r}: the {self.family} family writes no reasoning")
 
     def resolved_chunk(self) -> int:
-        return self.chunk_size or (10 if self.family == "ar" else 50)
+        return self.chunk_size or get_family(self.family).default_chunk_size
 
 
 @dataclass

@@ -1,0 +1,190 @@
+"""The ``smolvla`` family: LeRobot SmolVLA checkpoints imported and computed exactly as LeRobot
+computes them (its own outputs in reference fixtures), on the package's engine.
+
+Fixtures: ``../shared/fixtures/smolvla-lerobot`` (LeRobot's defaults, 3 cameras, 512 px) and
+``test/fixtures/smolvla/*`` (other settings of the options that change the forward pass, made
+with LeRobot by ``test/fixtures/smolvla/make_fixtures.py``). The slow test regenerates the
+latter with LeRobot itself where its side venv exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vla_accel_ros.core.errors import BundleError, ConfigError
+from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.models.factory import inspect_bundle, load_policy
+from vla_accel_ros.models.reference import check_fixture, fixture_observation, load_fixture
+from vla_accel_ros.models.smolvla.configuration_smolvla import SmolVLAOptions
+from vla_accel_ros.models.smolvla.lerobot_import import SOURCE_FILE, import_lerobot
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL = REPO / "test" / "fixtures" / "smolvla"
+SHARED = REPO.parent / "shared" / "fixtures" / "smolvla-lerobot"
+LEROBOT_PY = Path(os.environ.get("LEROBOT_PYTHON", "/tmp/lerobot-venv/bin/python"))
+FIXTURES = {p.name: p for p in sorted(LOCAL.iterdir()) if (p / "fixture.json").is_file()}
+if (SHARED / "fixture.json").is_file():
+    FIXTURES["shared"] = SHARED
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vla_accel_ros.cli", *argv], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """Every fixture's LeRobot checkpoint imported into a bundle (the library call the CLI makes)."""
+    root = tmp_path_factory.mktemp("smolvla")
+    return {name: import_lerobot(fx / "policy", root / name) for name, fx in FIXTURES.items()}
+
+
+def test_the_shared_fixture_is_there():
+    """CI runs with ../shared beside the checkout: the LeRobot-defaults fixture must be checked."""
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} is missing (../shared beside the checkout)")
+    assert "shared" in FIXTURES and len(FIXTURES) >= 4
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_imported_bundle_computes_what_lerobot_computes(imported, name):
+    """Raw observation as the policy node builds it (images [h, w, 3], the state vector, the
+    task text) -> actions in robot units equal to LeRobot's ``output.actions``, fp32, 1e-4 in
+    units of the action spread; every intermediate the fixture carries agrees on the way."""
+    torch.set_num_threads(1)
+    fx = load_fixture(FIXTURES[name])
+    cameras = json.loads((imported[name] / SOURCE_FILE).read_text())["cameras"]
+    policy = load_policy(imported[name], PolicyConfig(parity_check=False))
+    report = check_fixture(policy, fx, 1e-4, cameras)
+    assert report.passed, report.table()
+    got = policy.infer(fixture_observation(policy, fx, cameras), noise=fx.noise).actions
+    assert np.abs(got - fx.actions).max() < 1e-4 * max(1.0, float(np.abs(fx.actions).max()))
+    # ... and the policy's own start-up gate passes (engine vs its reference forward).
+    gated = load_policy(imported[name], PolicyConfig(parity_check=True, parity_tolerance=1e-4))
+    assert gated.parity_report.passed, gated.parity_report.table()
+
+
+def test_parity_cli_passes_the_fixture_and_fails_loud_on_a_wrong_one(tmp_path):
+    name = "shared" if "shared" in FIXTURES else sorted(FIXTURES)[0]
+    bundle = tmp_path / "bundle"
+    proc = _cli("bundle", "import", "--lerobot", str(FIXTURES[name] / "policy"), "--out", str(bundle))
+    assert proc.returncode == 0, proc.stderr
+    assert "family smolvla" in proc.stdout and "tokenizer   bundle" in proc.stdout
+    assert sorted(p.name for p in bundle.iterdir()) == ["config.json", "model.safetensors", SOURCE_FILE, "tokenizer"]
+    proc = _cli("parity", "--bundle", str(bundle), "--reference", str(FIXTURES[name]))
+    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout + proc.stderr
+    # One camera mirrored in the reference's inputs: the actions (and its first intermediate) differ.
+    from safetensors.torch import load_file, save_file
+
+    wrong = tmp_path / "wrong"
+    shutil.copytree(FIXTURES[name], wrong, ignore=shutil.ignore_patterns("policy", "vlm"))
+    tensors = load_file(str(wrong / "fixture.safetensors"))
+    key = next(k for k in tensors if k.startswith("raw.observation.images."))
+    tensors[key] = tensors[key].flip(-1).contiguous()
+    save_file(tensors, str(wrong / "fixture.safetensors"))
+    proc = _cli("parity", "--bundle", str(bundle), "--reference", str(wrong))
+    assert proc.returncode == 1 and "FAIL" in proc.stdout, proc.stdout + proc.stderr
+    if name == "shared":  # it carries debug.* intermediates: the first that differs is named
+        assert "first intermediate that differs: debug.image0_after_resize_with_pad_and_2x_minus_1" in proc.stdout
+
+
+def _lerobot_copy(tmp_path: Path, **changes) -> Path:
+    src = FIXTURES["self_attn_one_camera"]
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    cfg_path = dst / "policy" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(changes)
+    cfg_path.write_text(json.dumps(cfg))
+    return dst / "policy"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"type": "pi0"}, "type='pi0'; this importer reads LeRobot smolvla checkpoints"),
+        ({"use_delta_joint_actions_aloha": True}, "use_delta_joint_actions_aloha=true: LeRobot itself does not implement it"),
+        ({"resize_imgs_with_padding": [128, 96]}, r"resize_imgs_with_padding=\[128, 96\]: SmolVLM's pixel shuffle needs a square"),
+        ({"normalization_mapping": {"VISUAL": "MEAN_STD", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"}}, "normalization_mapping.VISUAL=MEAN_STD"),
+        ({"vlm_model_name": "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"}, "vlm_model_name='HuggingFaceTB/SmolVLM2-500M-Video-Instruct'.*--vlm DIR"),
+        ({"num_expert_layers": 2}, "num_expert_layers=2 must divide the VLM's 3 layers"),
+    ],
+)
+def test_import_refuses_what_lerobot_cannot_run_naming_the_option(tmp_path, changes, message):
+    with pytest.raises((BundleError, ConfigError), match=message):
+        import_lerobot(_lerobot_copy(tmp_path, **changes), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_finds_the_vlm_by_option_and_never_overwrites(tmp_path):
+    policy = _lerobot_copy(tmp_path, vlm_model_name="somewhere/else")
+    out = import_lerobot(policy, tmp_path / "b", vlm=policy.parent / "vlm", name="one-cam")
+    assert "name        one-cam (family smolvla)" in inspect_bundle(out)
+    with pytest.raises(BundleError, match="exists already"):
+        import_lerobot(policy, tmp_path / "b", vlm=policy.parent / "vlm")
+
+
+def test_layer_plan_follows_lerobots_rules():
+    """What each VLM layer does while denoising, and the combinations LeRobot cannot run."""
+    kinds = lambda o, n: "".join(s.kind[0] for s in o.layer_plan(n))  # noqa: E731
+    assert kinds(SmolVLAOptions(), 16) == "sc" * 8  # published SmolVLA: self every 2nd layer
+    assert kinds(SmolVLAOptions(attention_mode="self_attn"), 4) == "ssss"
+    plan = SmolVLAOptions(num_expert_layers=2, self_attn_every_n_layers=4).layer_plan(4)
+    assert [(s.expert_layer, s.kind) for s in plan] == [(0, "self"), (-1, "skip"), (1, "cross"), (-1, "skip")]
+    with pytest.raises(ConfigError, match="VLM layer 1 is a self-attention layer with no expert layer"):
+        SmolVLAOptions(num_expert_layers=2, self_attn_every_n_layers=1).layer_plan(4)
+    # LeRobot gives expert layer 1 VLM-width K/V maps (1 % 2 != 0) but runs it as self-attention at VLM layer 2.
+    with pytest.raises(ConfigError, match="expert layer 1 runs self-attention at VLM layer 2 but its K/V maps take 64 inputs"):
+        SmolVLAOptions(num_expert_layers=2, self_attn_every_n_layers=2).check_kv_widths(4, expert_hidden=48, vlm_kv_width=64)
+
+
+def test_no_family_branches_outside_the_family_modules():
+    """Families are plug-ins: nothing outside their modules asks which family a bundle is."""
+    pattern = re.compile(r"""family\s*[!=]=\s*["'](ar|flow|smolvla)["']""")
+    family_modules = {"models/ar.py", "models/flow.py"}
+    bad = []
+    for path in sorted((REPO / "vla_accel_ros").rglob("*.py")):
+        rel = path.relative_to(REPO / "vla_accel_ros").as_posix()
+        if rel in family_modules or rel.startswith("models/smolvla/"):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                bad.append(f"{rel}:{i}: {line.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+def test_a_random_smolvla_demo_bundle_runs_the_engine_against_its_reference(tmp_path):
+    """``bundle create-demo --family smolvla``: the SmolVLA architecture with random weights (no
+    checkpoint needed), through the start-up gate with the token cache and pruning."""
+    proc = _cli("bundle", "create-demo", "--family", "smolvla", "--size", "tiny", "--cameras", "cam_high,cam_left_wrist",
+                "--out", str(tmp_path / "demo"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for accel in ("none", "cache", "prune", "cache+prune"):
+        policy = load_policy(tmp_path / "demo", PolicyConfig.from_dict({"accel": accel}))
+        assert policy.parity_report.passed, (accel, policy.parity_report.table())
+    with pytest.raises(ConfigError, match="cache.reuse_vision"):
+        load_policy(tmp_path / "demo", PolicyConfig.from_dict({"accel": "cache", "cache": {"reuse_vision": True}}))
+
+
+@pytest.mark.slow
+def test_the_local_fixtures_regenerate_bit_exactly_with_lerobot(tmp_path):
+    """LeRobot itself (its side venv) rewrites test/fixtures/smolvla identically."""
+    if not LEROBOT_PY.is_file():
+        pytest.skip(f"LeRobot's side venv is missing ({LEROBOT_PY}; ../shared/tools/lerobot-reference/install_lerobot_venv.sh)")
+    proc = subprocess.run([str(LEROBOT_PY), str(LOCAL / "make_fixtures.py"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    for name in (n for n in FIXTURES if n != "shared"):
+        a, b = load_file(str(FIXTURES[name] / "fixture.safetensors")), load_file(str(tmp_path / name / "fixture.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -1,0 +1,126 @@
+"""Model families as plug-ins: what a family module implements, and the registry that finds it.
+
+A *family* is one kind of policy a bundle can hold (``config.json``'s ``family``): the
+package's own ``ar`` and ``flow``, and LeRobot's ``smolvla``. Everything that differs between
+families lives in the family's module, behind the small protocol of :class:`Family`; the rest
+of the package (bundle loading, the parity gate, precision, replay, evaluation, training, the
+nodes) asks the family and never branches on its name.
+
+To add a family: write a module with a :class:`Family` subclass and a module-level ``FAMILY``
+instance, and add its name and module to :data:`_MODULES`. Its policy class implements the
+policy interface of :mod:`vla_accel_ros.core.types` plus what :class:`~vla_accel_ros.models.base.PolicyBase`
+asks of subclasses (see there), ``reference_infer`` (the plain, un-accelerated forward the
+parity gate compares the engine with) and ``gate_noise`` / ``compare_precision``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Mapping
+
+from vla_accel_ros.core.bundle import BundleSpec, head_dim
+from vla_accel_ros.core.errors import BundleError, ConfigError
+
+if TYPE_CHECKING:  # the registry itself stays light: the CLI lists families without torch
+    from torch import nn
+
+# family name -> module defining FAMILY. Imported on first use: a process that runs one family
+# never imports the others' modules.
+_MODULES = {
+    "ar": "vla_accel_ros.models.ar",
+    "flow": "vla_accel_ros.models.flow",
+    "smolvla": "vla_accel_ros.models.smolvla",
+}
+
+
+def family_names() -> tuple[str, ...]:
+    return tuple(_MODULES)
+
+
+def get_family(name: str) -> "Family":
+    """The plug-in of family ``name``; :class:`BundleError` naming the known ones otherwise."""
+    module = _MODULES.get(name)
+    if module is None:
+        raise BundleError(f"family={name!r} is not a known model family; known: {', '.join(_MODULES)}")
+    return importlib.import_module(module).FAMILY
+
+
+class Family:
+    """The protocol of a model family (defaults shown; a family overrides what differs).
+
+    Class attributes:
+
+    * ``name``: the ``family`` field of its bundles;
+    * ``precision_defaults`` / ``precision_fallbacks``: what ``precision: auto`` resolves to and
+      what the gate tries next (:class:`~vla_accel_ros.core.precision.FamilyPrecision`);
+    * ``heads``: attribute names of the model's small input / output ``nn.Linear`` layers (the
+      ``heads`` precision component);
+    * ``token_actions``: the policy decodes discrete action tokens (its chunks carry
+      ``stats["action_tokens"]``; deviations then also count identical tokens);
+    * ``writes_reasoning``: bundles may declare reasoning words (MEMO-VLM applies);
+    * ``pipelines``: its policy pipelines decoding across frames (ActionFlow; ``policy.pipeline()``);
+    * ``trainable``: ``vla-accel train`` can train it from bags (``default_chunk_size``).
+
+    Families with random-weight demo bundles also define ``demo_spec(size, **kwargs)``.
+    """
+
+    name = ""
+    precision_defaults: Mapping[str, str] = {}
+    precision_fallbacks: tuple[Mapping[str, str], ...] = ()
+    heads: tuple[str, ...] = ()
+    token_actions = False
+    writes_reasoning = False
+    pipelines = False
+    trainable = False
+    default_chunk_size = 1
+
+    # -- the bundle ---------------------------------------------------------------------------
+    def validate_spec(self, spec: BundleSpec) -> None:
+        """Raise :class:`ConfigError` for a spec this family cannot build (its own fields and
+        their consistency). The default checks what every family of the package needs."""
+        if (spec.reasoning_words or spec.max_reasoning_tokens) and not self.writes_reasoning:
+            raise ConfigError(f"reasoning_words / max_reasoning_tokens: {self.name} bundles write no reasoning")
+
+    def build_model(self, spec: BundleSpec) -> "nn.Module":
+        """The family's modules with random weights (the loader loads the bundle's after)."""
+        raise NotImplementedError
+
+    def make_policy(self, spec: BundleSpec, model: "nn.Module", config, planner, *, bundle_path: str = "", precision=None):
+        """The policy around ``model`` (weights already at ``precision``)."""
+        raise NotImplementedError
+
+    def describe(self, spec: BundleSpec) -> list[str]:
+        """Lines of ``vla-accel bundle inspect`` particular to the family (after the common ones)."""
+        return []
+
+    # -- precision ----------------------------------------------------------------------------
+    def decoder_layers(self, model: "nn.Module") -> "dict[str, nn.ModuleList]":
+        """The decoder layers of each decoder component (``lm``, and ``expert`` where there is one)."""
+        raise NotImplementedError
+
+    def component_roots(self, model: "nn.Module") -> "dict[str, list[nn.Module]]":
+        """The modules whose ``nn.Linear`` layers make the ``vision`` and ``projector`` components."""
+        return {"vision": [model.vis.vision], "projector": [model.vis.projector]}
+
+    # -- benchmarks -----------------------------------------------------------------------------
+    def flops(self, spec: BundleSpec, work, *, flow_steps: int) -> dict[str, float]:
+        """FLOPs of one inference by component (:mod:`vla_accel_ros.bench.flops` prices the parts)."""
+        raise NotImplementedError
+
+
+def check_vision_patch(spec: BundleSpec) -> None:
+    """One image token per vision patch (the SigLIP towers of ar and flow): the tower's image
+    and patch sizes are the bundle's."""
+    if (spec.vision.get("image_size"), spec.vision.get("patch_size")) != (spec.image_size, spec.patch_size):
+        raise ConfigError("vision.image_size / vision.patch_size must equal image_size / patch_size")
+
+
+def check_expert_shares_cache(spec: BundleSpec, what: str = "the expert attends to the VLM's K/V") -> None:
+    """An expert whose layers write and read the VLM's KV cache layer by layer."""
+    if not isinstance(spec.expert, dict):
+        raise ConfigError(f"{spec.family} bundles need an 'expert' decoder config")
+    for key in ("num_hidden_layers", "num_key_value_heads"):
+        if spec.expert.get(key) != spec.lm.get(key):
+            raise ConfigError(f"expert.{key} must equal lm.{key} ({what})")
+    if head_dim(spec.expert) != head_dim(spec.lm):
+        raise ConfigError("expert and lm must have the same head_dim")

@@ -1,0 +1,636 @@
+"""``smolvla``: LeRobot's SmolVLA, computed as LeRobot computes it, on the package's engine.
+
+The modules are stock transformers modules built from the bundle's configs: SmolVLM's vision
+tower (``SmolVLMVisionTransformer``) and connector (pixel shuffle, then a bias-free linear map),
+the first ``num_vlm_layers`` Llama layers of its text model, and a narrower Llama expert whose
+cross-attention layers' K/V maps read the VLM's keys and values. What SmolVLA adds around them
+is written here from its description (``../shared/fixtures/smolvla-lerobot/README.md`` names
+every rule; the fixture checks them):
+
+* images: resized keeping their aspect, bilinear on [0, 1] floats, zero-padded on top and left
+  to ``image_size``, mapped to [-1, 1]; image and language embeddings times sqrt(hidden);
+  optional special tokens around each camera's image (not scaled);
+* the prefix ``[images][language][state]``: images and language attend to each other both
+  ways, the state token sees them and they do not see it; the action tokens see the whole
+  prefix and each other causally;
+* RoPE of base 10,000 at every layer (the bundle's decoder configs carry it), positions
+  counting the prefix's tokens;
+* the expert per layer: self-attention, cross-attention or nothing
+  (:mod:`~vla_accel_ros.models.smolvla.expert`); the suffix MLP over the noisy actions and the
+  flow time; Euler from t = 1 to 0; state and actions padded to ``max_state_dim`` /
+  ``max_action_dim``, actions cut back to ``action_dim``;
+* LeRobot's normalization modes and eps, and its optional pi-ALOHA joint maps.
+
+Everything the engine does to a prefix applies: the token cache, pruning, precision per
+component. A SmolVLA token covers a ``scale_factor`` x ``scale_factor`` block of vision
+patches; the token cache and pruning decide per token (``patch_size`` is the block's size in
+pixels), so a token is static when its whole block of pixels is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vla_accel_ros.core.bundle import BundleSpec, head_dim
+from vla_accel_ros.core.engine import StepPlan
+from vla_accel_ros.core.errors import BundleError, ConfigError, ObservationError
+from vla_accel_ros.core.kv_cache import Block, Segment
+from vla_accel_ros.core.precision import COMPONENTS
+from vla_accel_ros.core.prefix import PrefixLayout
+from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
+from vla_accel_ros.models import demo
+from vla_accel_ros.models.base import StageTimer
+from vla_accel_ros.models.common import Frames, lm_config, make_tokenizer, sincos_embedding
+from vla_accel_ros.models.family import Family
+from vla_accel_ros.models.flops import decoder_layer_flops, vision_flops
+from vla_accel_ros.models.flow import FlowPolicy
+from vla_accel_ros.models.smolvla.configuration_smolvla import NORM_STATS, SmolVLAOptions
+from vla_accel_ros.models.smolvla.expert import ExpertEngine
+
+
+def options_of(spec: BundleSpec) -> SmolVLAOptions:
+    return SmolVLAOptions.from_dict(spec.options or {})
+
+
+def vision_config(spec: BundleSpec):
+    """SmolVLM's vision config from the bundle's ``vision`` section (sdpa attention)."""
+    from transformers.models.smolvlm.configuration_smolvlm import SmolVLMVisionConfig
+
+    kw = {k: v for k, v in spec.vision.items() if k not in ("model_type", "scale_factor")}
+    try:
+        cfg = SmolVLMVisionConfig(**kw)
+    except (TypeError, ValueError) as e:
+        raise BundleError(f"vision: invalid SmolVLM vision config: {e}") from e
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class SmolVLAVision(nn.Module):
+    """SmolVLM's vision tower and connector: frames -> image-token embeddings times sqrt(hidden)."""
+
+    def __init__(self, spec: BundleSpec, lm_hidden: int) -> None:
+        super().__init__()
+        from transformers import SmolVLMConfig
+        from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector, SmolVLMVisionTransformer
+
+        vcfg = vision_config(spec)
+        scale = int(spec.vision["scale_factor"])
+        self.vision = SmolVLMVisionTransformer(vcfg)
+        self.connector = SmolVLMConnector(
+            SmolVLMConfig(vision_config=vcfg.to_dict(), text_config={"hidden_size": lm_hidden}, scale_factor=scale)
+        )
+        self.embed_scale = math.sqrt(lm_hidden)
+
+    @property
+    def projector(self) -> nn.Module:  # the ``projector`` precision component
+        return self.connector
+
+    def position_ids(self, side: int) -> torch.Tensor:
+        """The position-embedding row of each of ``side`` x ``side`` patches, as transformers 4.x
+        computes it, which LeRobot runs and SmolVLA was trained with: patch i lands in the bucket
+        of i / side * (1 - 1e-6), i.e. i - 1 for i >= 1 (transformers 5 changed the rule to i;
+        the stock embeddings' forward would give other features).  -> [side * side]"""
+        per_side = self.vision.embeddings.num_patches_per_side
+        frac = torch.arange(side, dtype=torch.float32) / side * (1 - 1e-6)
+        bucket = torch.bucketize(frac, torch.arange(1 / per_side, 1.0, 1 / per_side), right=True)
+        return (bucket[:, None] * per_side + bucket[None, :]).flatten()
+
+    def patch_embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[C, 3, S, S] -> [C, N, W]: the stock patch convolution plus the position embeddings."""
+        emb = self.vision.embeddings
+        x = emb.patch_embedding(pixels.to(emb.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
+        side = pixels.shape[-1] // emb.patch_size
+        return x + emb.position_embedding(self.position_ids(side).to(pixels.device))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels: [C, 3, S, S] in [-1, 1] -> [C, T, H]: every patch attends to every other."""
+        feats = self.vision.encoder(inputs_embeds=self.patch_embeddings(pixels)).last_hidden_state
+        return self.connector(self.vision.post_layernorm(feats)) * self.embed_scale
+
+
+def get_intermediate_size(hidden: int, ffn_multiplier: int = 4, multiple_of: int = 256) -> int:
+    """LeRobot's expert MLP width for a given expert width (SwiGLU's 2/3, rounded up to 256)."""
+    h = int(ffn_multiplier * int(2 * hidden / 3))
+    return multiple_of * ((h + multiple_of - 1) // multiple_of)
+
+
+class SmolVLAModel(nn.Module):
+    """The modules of a ``smolvla`` bundle."""
+
+    def __init__(self, spec: BundleSpec) -> None:
+        super().__init__()
+        from transformers import LlamaModel
+
+        opts = options_of(spec)
+        self.vlm = LlamaModel(lm_config(spec.lm, "lm"))
+        self.expert = LlamaModel(lm_config(spec.expert, "expert"))
+        self.expert.embed_tokens = None  # the expert reads embeddings, never ids (LeRobot drops it too)
+        hidden, width = self.vlm.config.hidden_size, self.expert.config.hidden_size
+        kv_width = self.vlm.config.num_key_value_heads * self.vlm.layers[0].self_attn.head_dim
+        e_kv = self.expert.config.num_key_value_heads * self.expert.layers[0].self_attn.head_dim
+        bias = bool(getattr(self.expert.config, "attention_bias", False))
+        for j, wide in enumerate(opts.vlm_width_kv(len(self.vlm.layers))):
+            if wide:  # these layers' K/V maps read the VLM's keys and values
+                attn = self.expert.layers[j].self_attn
+                attn.k_proj = nn.Linear(kv_width, e_kv, bias=bias)
+                attn.v_proj = nn.Linear(kv_width, e_kv, bias=bias)
+        self.vis = SmolVLAVision(spec, hidden)
+        self.state_proj = nn.Linear(opts.max_state_dim, hidden)
+        self.action_in = nn.Linear(opts.max_action_dim, width)
+        self.time_in = nn.Linear(2 * width, width)
+        self.time_out = nn.Linear(width, width)
+        self.action_out = nn.Linear(width, opts.max_action_dim)
+        self.periods = (opts.min_period, opts.max_period)
+
+    def embed_ids(self, ids: list[int]) -> torch.Tensor:
+        return self.vlm.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=self.vlm.embed_tokens.weight.device))
+
+    def suffix_embeddings(self, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+        """x_t: [B, H, A] noisy chunk at flow time t (a float, or [B]) -> [B, H, W]."""
+        a = self.action_in(x_t)
+        t = torch.as_tensor(t, dtype=torch.float32)
+        te = sincos_embedding(t.reshape(-1), a.shape[-1], *self.periods).to(a.dtype)[:, None, :].expand_as(a)
+        return self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
+
+
+# -- LeRobot's normalization and ALOHA joint maps, as it computes them ----------------------------
+def normalize(x: torch.Tensor, mode: str, stats: dict, eps: float, inverse: bool = False) -> torch.Tensor:
+    """LeRobot's NormalizerProcessorStep (and its inverse) for one feature, in float32."""
+    if mode == "IDENTITY" or not stats:
+        return x
+    s = {k: torch.as_tensor(np.asarray(v, dtype=np.float32)) for k, v in stats.items()}
+    if mode == "MEAN_STD":
+        return x * s["std"] + s["mean"] if inverse else (x - s["mean"]) / (s["std"] + eps)
+    lo, hi = {"MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}[mode]
+    denom = s[hi] - s[lo]
+    denom = torch.where(denom == 0, torch.tensor(eps, dtype=x.dtype), denom)
+    if mode == "MIN_MAX":
+        return (x + 1) / 2 * denom + s[lo] if inverse else 2 * (x - s[lo]) / denom - 1
+    return (x + 1.0) * denom / 2.0 + s[lo] if inverse else 2.0 * (x - s[lo]) / denom - 1.0
+
+
+def _rescale(x: torch.Tensor, lo: float, hi: float, inverse: bool) -> torch.Tensor:
+    return x * (hi - lo) + lo if inverse else (x - lo) / (hi - lo)
+
+
+def _gripper_to_angular(x: torch.Tensor) -> torch.Tensor:
+    # ALOHA's linear gripper positions back to pi's angular space (Interbotix's horn and arm
+    # lengths; the 0.4 / 1.5 range measured on a Trossen robot), as LeRobot maps them.
+    x = _rescale(x, 0.01844, 0.05800, inverse=True)
+    r, arm = 0.022, 0.036
+    x = torch.arcsin(torch.clamp((r**2 + x**2 - arm**2) / (2 * r * x), -1.0, 1.0))
+    return _rescale(x, 0.4, 1.5, inverse=False)
+
+
+def _gripper_from_angular(x: torch.Tensor) -> torch.Tensor:
+    return _rescale(_rescale(x, 0.4, 1.5, inverse=True), -0.6213, 1.4910, inverse=False)
+
+
+_FLIPPED, _GRIPPERS = (1, 2, 8, 9), (6, 13)
+
+
+def pi_aloha(x: torch.Tensor, *, to_pi: bool) -> torch.Tensor:
+    """LeRobot's ``adapt_to_pi_aloha``: joints 1, 2, 8, 9 flipped, the grippers mapped (state:
+    to pi's space; actions: back). ``x``: [..., 14]"""
+    x = x.clone()
+    x[..., list(_FLIPPED)] *= -1
+    for g in _GRIPPERS:
+        x[..., g] = _gripper_to_angular(x[..., g]) if to_pi else _gripper_from_angular(x[..., g])
+    return x
+
+
+def resize_with_pad(img: torch.Tensor, size: int) -> torch.Tensor:
+    """[C, 3, h, w] in [0, 1] -> [C, 3, size, size]: aspect kept (bilinear), zeros on top and left."""
+    h, w = img.shape[-2:]
+    ratio = max(w / size, h / size)
+    rh, rw = int(h / ratio), int(w / ratio)
+    out = F.interpolate(img, size=(rh, rw), mode="bilinear", align_corners=False)
+    return F.pad(out, (max(0, size - rw), 0, max(0, size - rh), 0), value=0.0)
+
+
+def frame_tensor(image: np.ndarray, camera: str) -> torch.Tensor:
+    """A camera frame [h, w, 3] uint8 (0..255) or float (0..1) -> [3, h, w] float32 in [0, 1]."""
+    a = np.asarray(image)
+    if a.ndim != 3 or a.shape[2] != 3:
+        raise ObservationError(f"camera {camera}: frame of shape {list(a.shape)}, expected [height, width, 3]")
+    t = torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1)
+    if a.dtype == np.uint8:
+        return t.float() / 255.0
+    if a.dtype in (np.float32, np.float64):
+        return t.float()
+    raise ObservationError(f"camera {camera}: frames must be uint8 or float in [0, 1], got {a.dtype}")
+
+
+class SmolVLAPolicy(FlowPolicy):
+    family = "smolvla"
+
+    def __init__(self, spec: BundleSpec, model: SmolVLAModel, config, planner=None, *, precision=None, bundle_path: str = "") -> None:
+        self.options = options_of(spec)
+        super().__init__(spec, model, config, planner, precision=precision, bundle_path=bundle_path)
+        self.check_config(config)
+
+    def check_config(self, config) -> None:
+        super().check_config(config)
+        if config.uses_cache and config.cache.reuse_vision:
+            raise ConfigError("cache.reuse_vision: the vision cache is not built for smolvla's pixel-shuffled tokens yet")
+
+    # -- construction hooks ---------------------------------------------------------------------
+    def make_tokenizer(self):
+        return make_tokenizer(self.spec, self.bundle_path, truncate=self.options.truncate_text)
+
+    def prefix_capacity(self) -> int:
+        per_cam = self.spec.grid**2 + (3 if self.options.add_image_special_tokens else 0)
+        return len(self.spec.cameras) * per_cam + self.spec.max_text_tokens + 1
+
+    def _build_engines(self) -> None:
+        """The VLM engine writes the prefix into the cache; the expert reads it in place (its own
+        rows are never cached), so the cache holds the prefix only."""
+        self.max_slots = self.max_prefix
+        self.cache = self.vlm_stack.make_cache(self.max_slots, dtype=self.kv_dtype())
+        self.vlm_engine = self.make_engine(self.vlm_stack, self.cache, self.max_slots)
+        plan = self.options.layer_plan(self.vlm_stack.num_layers)
+        self.expert_engine = ExpertEngine(
+            self.model.expert, plan, self.cache, max_positions=self.max_prefix + self.spec.chunk_size,
+            bf16_attention_above=self.precision.bf16_attention_above("expert"),
+        )  # fmt: skip
+
+    @property
+    def noise_shape(self) -> tuple[int, int]:
+        return (self.spec.chunk_size, self.options.max_action_dim)
+
+    def action_scale(self) -> tuple[np.ndarray, np.ndarray]:
+        """Deviations in units of the actions' spread: their std, else half the range the
+        normalization maps to [-1, 1], else 1 (identity without statistics)."""
+        st = self.spec.norm_stats["action"]
+        if "mean" in st and "std" in st:
+            return np.asarray(st["mean"], np.float32), np.maximum(np.asarray(st["std"], np.float32), 1e-6)
+        for lo, hi in ("min", "max"), ("q01", "q99"), ("q10", "q90"):
+            if lo in st and hi in st:
+                a, b = np.asarray(st[lo], np.float32), np.asarray(st[hi], np.float32)
+                return (a + b) / 2, np.maximum((b - a) / 2, 1e-6)
+        return np.zeros(self.spec.action_dim, np.float32), np.ones(self.spec.action_dim, np.float32)
+
+    # -- the prefix -------------------------------------------------------------------------------
+    def prompt(self, instruction: str) -> str:
+        """The task as LeRobot's preprocessor hands it to the tokenizer: unchanged, ending in a newline."""
+        text = self.spec.instruction_template.replace("{instruction}", instruction or self.spec.default_instruction)
+        return text if text.endswith("\n") else text + "\n"
+
+    def _make_layout(self, text_len: int) -> PrefixLayout:
+        s, special = self.spec, self.options.add_image_special_tokens
+        t = s.grid * s.grid
+        stride = t + 3 if special else t
+        n_img = len(s.cameras) * stride
+        fixed = tuple(c * stride + k for c in range(len(s.cameras)) for k in (0, 1, t + 2)) if special else ()
+        return PrefixLayout(
+            cameras=s.cameras, grid=s.grid, patch_size=s.patch_size, image_size=s.image_size,
+            image_start=2 if special else 0, text_start=n_img, text_len=text_len, state_slot=n_img + text_len,
+            length=n_img + text_len + 1, fixed_slots=fixed, attention="bidirectional",
+            num_layers=self.vlm_stack.num_layers, camera_stride=stride if special else 0,
+        )  # fmt: skip
+
+    def prepare_cache(self, layout: PrefixLayout) -> None:
+        if layout.length != self._layout_len:
+            # Images and language one bidirectional block; the state token after it sees it,
+            # it does not see the state.
+            self.cache.set_layout([Segment(0, (Block(layout.length - 1, "bidirectional"), Block(1, "bidirectional")))])
+            self.cache.invalidate()
+            self._layout_len = layout.length
+
+    def _static_prefix(self, layout: PrefixLayout, ids: list[int]) -> torch.Tensor:
+        m = self.model
+        hidden = m.vlm.config.hidden_size
+        static = torch.zeros(layout.length, hidden, device=m.vlm.embed_tokens.weight.device)
+        if ids:
+            static[layout.text_start : layout.text_start + layout.text_len] = m.embed_ids(ids) * math.sqrt(hidden)
+        if layout.fixed_slots:  # per camera: <fake><global> before, <fake> after (not scaled, as LeRobot)
+            o = self.options
+            special = m.embed_ids([o.fake_image_token_id, o.global_image_token_id, o.fake_image_token_id])
+            for c in range(len(layout.cameras)):
+                static[list(layout.fixed_slots[3 * c : 3 * c + 3])] = special
+        return static
+
+    def _state_embedding(self, state: np.ndarray | None) -> torch.Tensor:
+        return self.model.state_proj(self.model_state(state)[0])
+
+    def model_state(self, state: np.ndarray | None) -> torch.Tensor:
+        """The state as state_proj reads it: normalized as LeRobot does, mapped to pi's joint
+        space with ``adapt_to_pi_aloha``, zero-padded.  -> [1, max_state_dim]"""
+        s, o = self.spec, self.options
+        x = torch.from_numpy(self.checked_state(state))[None]
+        x = normalize(x, o.state_norm, s.norm_stats.get("state", {}), o.norm_eps)
+        if o.adapt_to_pi_aloha:
+            x = pi_aloha(x, to_pi=True)
+        return F.pad(x, (0, o.max_state_dim - s.state_dim))
+
+    def frames(self, obs: Observation) -> Frames:
+        """The cameras' frames resized with padding (LeRobot's rule) -> pixels in [-1, 1], and
+        the same image as uint8 for the token cache's comparisons."""
+        cams = self.spec.cameras
+        missing = [c for c in cams if c not in obs.images]
+        if missing:
+            raise ObservationError(f"observation lacks camera(s) {', '.join(missing)}; has {', '.join(obs.images) or 'none'}")
+        size = self.spec.image_size
+        padded = torch.cat([resize_with_pad(frame_tensor(obs.images[c], c)[None], size) for c in cams])  # [C, 3, S, S]
+        raw = (padded * 255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return Frames(cameras=cams, raw=raw, pixels=padded * 2.0 - 1.0)
+
+    # -- the actions ------------------------------------------------------------------------------
+    def actions_out(self, x: torch.Tensor) -> np.ndarray:
+        s, o = self.spec, self.options
+        a = x[:, :, : s.action_dim].detach().float()
+        if o.adapt_to_pi_aloha:
+            a = pi_aloha(a, to_pi=False)
+        return normalize(a, o.action_norm, s.norm_stats["action"], o.norm_eps, inverse=True)[0].numpy().astype(np.float32)
+
+    def _guidance_targets(self, guidance: ChunkGuidance) -> tuple[torch.Tensor, torch.Tensor]:
+        """RTC targets in the model's action space (normalized, padded; the padding unweighted)."""
+        s, o = self.spec, self.options
+        h, d = s.chunk_size, s.action_dim
+        prev = np.asarray(guidance.prev_actions, dtype=np.float32)
+        weights = np.asarray(guidance.weights, dtype=np.float32).reshape(-1)
+        if prev.ndim != 2 or prev.shape[1] != d or weights.shape[0] != h:
+            raise ObservationError(f"guidance needs prev_actions [<= {h}, {d}] and weights [{h}]")
+        n = min(h, prev.shape[0])
+        y = torch.zeros(1, h, o.max_action_dim)
+        a = normalize(torch.from_numpy(prev[:n])[None], o.action_norm, s.norm_stats["action"], o.norm_eps)
+        y[:, :n, :d] = pi_aloha(a, to_pi=True) if o.adapt_to_pi_aloha else a
+        w = torch.zeros(1, h, o.max_action_dim)
+        w[0, :n, :d] = torch.from_numpy(weights[:n])[:, None]
+        return y, w
+
+    def static_steps(self, layout: PrefixLayout) -> dict:
+        return {"prefill": (self.vlm_engine, layout.all_slots())}
+
+    def training_loss(self, *args, **kwargs):
+        raise ConfigError("smolvla bundles are imported from LeRobot checkpoints; train them with LeRobot")
+
+    # -- the plain reference: parity gate and benchmark baseline ---------------------------------
+    def _prefix_mask(self, layout: PrefixLayout) -> torch.Tensor:
+        p = layout.length
+        mask = torch.ones(p, p, dtype=torch.bool)
+        mask[:-1, -1] = False  # nothing before the state token sees it
+        return mask
+
+    @torch.inference_mode()
+    def reference_prefix_hidden(self, obs: Observation) -> torch.Tensor:
+        layout, full = self.full_prefix(obs)
+        return self.model.vlm(inputs_embeds=full[None], attention_mask=self._prefix_mask(layout)[None, None]).last_hidden_state[0]
+
+    @torch.inference_mode()
+    def reference_infer(self, obs: Observation, *, noise: np.ndarray | None = None) -> ActionChunk:
+        """transformers' own VLM forward over the whole prefix (a 4-D mask, its DynamicCache),
+        then per Euler step the expert written out with dense masks over explicit K/V: no
+        slots, no valid flags, no plan (what the engine path is checked against)."""
+        timer, layout, full, x = self.reference_prefix(obs, noise)
+        with timer.stage("prefill"):
+            mask = self._prefix_mask(layout)[None, None]
+            pkv = self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True).past_key_values
+            prefix_kv = [(pkv.layers[i].keys, pkv.layers[i].values) for i in range(self.vlm_stack.num_layers)]
+        with timer.stage("denoise"):
+            steps = self.num_steps
+            dt = 1.0 / steps
+            for i in range(steps):
+                t = 1.0 - i * dt
+                hid = self._reference_expert(self.model.suffix_embeddings(x, t), prefix_kv, layout.length)
+                x = x - dt * self.model.action_out(hid)
+        with timer.stage("postprocess"):
+            actions = self.actions_out(x)
+        return ActionChunk(
+            actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, joint_names=self.spec.joint_names,
+            timings_ms=timer.finish(), stats={"mode": "transformers"},
+        )  # fmt: skip
+
+    def _reference_expert(self, x: torch.Tensor, prefix_kv: list, p: int) -> torch.Tensor:
+        expert = self.model.expert
+        _, h, _ = x.shape
+        eng = self.expert_engine
+        Hq, Hkv, D = eng.num_heads, eng.num_kv_heads, eng.head_dim
+        pos_self = torch.arange(p, p + h)[None]
+        pos_cross = torch.arange(h)[None]
+        causal = torch.ones(h, h, dtype=torch.bool).tril()
+        for step in self.options.layer_plan(self.vlm_stack.num_layers):
+            if step.kind == "skip":
+                continue
+            layer = expert.layers[step.expert_layer]
+            attn = layer.self_attn
+            pk, pv = prefix_kv[step.vlm_layer]  # [1, Hkv, P, D], rotated keys
+            hs = layer.input_layernorm(x)
+            q = attn.q_proj(hs).view(1, h, Hq, D).transpose(1, 2)
+            if step.kind == "self":
+                cos, sin = expert.rotary_emb(hs, pos_self)
+                k = attn.k_proj(hs).view(1, h, Hkv, D).transpose(1, 2)
+                v = attn.v_proj(hs).view(1, h, Hkv, D).transpose(1, 2)
+                q, k = eng.apply_rope(q, k, cos, sin)
+                keys, values = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+                mask = torch.cat([torch.ones(h, p, dtype=torch.bool), causal], 1)
+            else:
+                cos, sin = expert.rotary_emb(hs, pos_cross)
+                q, _ = eng.apply_rope(q, q, cos, sin)
+                flat = lambda t: t.transpose(1, 2).reshape(1, p, -1)  # noqa: E731 - [1, P, Hkv*D], head-major
+                keys = attn.k_proj(flat(pk)).view(1, p, Hkv, D).transpose(1, 2)
+                values = attn.v_proj(flat(pv)).view(1, p, Hkv, D).transpose(1, 2)
+                mask = torch.ones(h, p, dtype=torch.bool)
+            keys, values = keys.repeat_interleave(Hq // Hkv, 1), values.repeat_interleave(Hq // Hkv, 1)
+            scores = (q @ keys.transpose(-1, -2)) * eng.scaling
+            probs = scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1)
+            o = (probs @ values).transpose(1, 2).reshape(1, h, Hq * D)
+            x = x + attn.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return expert.norm(x)
+
+    @torch.inference_mode()
+    def reference_intermediates(self, obs: Observation, noise: np.ndarray, fixture: dict) -> dict:
+        """(ours, the reference's) of the intermediates a LeRobot SmolVLA fixture carries, in
+        pipeline order (``vla-accel parity --reference``): the first camera's pixels and
+        connector output, the prefix embeddings (the fixture's padding rows left out), the
+        padded state, the velocity at t = 1 and the final padded sample."""
+        layout, ids = self.layout_for(obs.instruction)
+        self.prepare_cache(layout)
+        frames = self.frames(obs)
+        full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.all_cameras(layout))
+        rows = layout.all_slots()
+        self.vlm_engine.forward(full[None], StepPlan(slots=rows, positions=rows))
+        self.planner.reset("external prefix write")
+        x0 = self._noise(noise)
+        out = {
+            "image0_after_resize_with_pad_and_2x_minus_1": frames.pixels[:1],
+            "image0_connector_out": self.model.vis(frames.pixels[:1]) / self.model.vis.embed_scale,
+            "prefix_embs": full[None],
+            "state_padded": self.model_state(obs.state),
+            "v_t_step0": self.velocity(x0, 1.0, layout.length),
+            "x_0_padded": self.denoise(x0, layout.length),
+        }
+        pairs = {}
+        for name, ours in out.items():
+            theirs = fixture.get(name)
+            if theirs is not None and name == "prefix_embs" and "prefix_pad_masks" in fixture:
+                theirs = theirs[:, fixture["prefix_pad_masks"][0].bool()]  # padding rows: nobody attends to them
+            pairs[name] = (ours, theirs)
+        return pairs
+
+    def bench_pairs(self, obs: Observation, layout: PrefixLayout, full: torch.Tensor) -> list:
+        noise = np.random.default_rng(0).standard_normal(self.noise_shape).astype(np.float32)
+        all_slots = layout.all_slots()
+        step = StepPlan(slots=all_slots, positions=all_slots, output_slots=all_slots[-1:])
+        mask = self._prefix_mask(layout)[None, None]
+
+        def hf_prefill():
+            with torch.inference_mode():
+                return self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True)
+
+        return [
+            ("prefill", ("transformers", hf_prefill), ("engine", lambda: self.vlm_engine.forward(full[None], step)), 1),
+            ("full infer", ("reference", lambda: self.reference_infer(obs, noise=noise)),
+             ("engine", lambda: self.infer(obs, noise=noise)), 1),
+        ]  # fmt: skip
+
+
+# -- the plug-in -----------------------------------------------------------------------------------
+# Random-weight demo sizes (tests and CPU benchmarks without a checkpoint). ``tiny`` shrinks the
+# image (128 px, 2 x 2 patches per token: 16 tokens per camera) to keep tests fast; ``small``
+# keeps SmolVLA's 512 px, 16 px patches and 4 x 4 pixel shuffle (64 tokens per camera).
+_DEMO = {
+    "tiny": dict(image=128, patch=16, scale=2, vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+                 lm=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+                 vocab=1024),
+    "small": dict(image=512, patch=16, scale=4, vision=dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6),
+                  lm=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=9, num_key_value_heads=3, head_dim=64),
+                  vocab=32000),
+}  # fmt: skip
+
+
+class SmolVLAFamily(Family):
+    """``smolvla`` bundles: LeRobot SmolVLA checkpoints (``vla-accel bundle import --lerobot``)."""
+
+    name = "smolvla"
+    # The flow family's measured defaults until SmolVLA's are measured; the gate decides per bundle.
+    precision_defaults = {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"}
+    precision_fallbacks = ({"expert": "fp32"}, {"lm": "fp32", "expert": "fp32"}, {c: "fp32" for c in COMPONENTS})
+    heads = ("state_proj", "action_in", "time_in", "time_out", "action_out")
+
+    def validate_spec(self, spec: BundleSpec) -> None:
+        super().validate_spec(spec)
+        opts = options_of(spec)
+        if not isinstance(spec.expert, dict):
+            raise ConfigError("smolvla bundles need an 'expert' decoder config")
+        if spec.image_resize != "pad":
+            raise ConfigError(f"image_resize={spec.image_resize!r}: SmolVLA resizes with padding (image_resize: pad)")
+        scale = spec.vision.get("scale_factor")
+        if not isinstance(scale, int) or scale < 1:
+            raise ConfigError(f"vision.scale_factor={scale!r} must be a positive integer (SmolVLM's pixel shuffle)")
+        v_image, v_patch = spec.vision.get("image_size"), spec.vision.get("patch_size")
+        if (v_image, (v_patch or 0) * scale) != (spec.image_size, spec.patch_size):
+            raise ConfigError(
+                f"image_size={spec.image_size} / patch_size={spec.patch_size} must be vision.image_size={v_image} and "
+                f"vision.patch_size x scale_factor = {v_patch} x {scale} (one token per pixel-shuffled block)"
+            )
+        if not 1 <= spec.state_dim <= opts.max_state_dim:
+            raise ConfigError(f"state_dim={spec.state_dim} must be in [1, options.max_state_dim={opts.max_state_dim}]")
+        if spec.action_dim > opts.max_action_dim:
+            raise ConfigError(f"action_dim={spec.action_dim} exceeds options.max_action_dim={opts.max_action_dim}")
+        lm, ex = spec.lm, spec.expert
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            if ex.get(key) != lm.get(key):
+                raise ConfigError(f"expert.{key} must equal lm.{key} (SmolVLA's expert attends with the VLM's heads)")
+        if head_dim(ex) != head_dim(lm):
+            raise ConfigError("expert and lm must have the same head_dim")
+        layers = int(lm["num_hidden_layers"])
+        opts.layer_plan(layers)  # LeRobot's own limits first
+        if int(ex["num_hidden_layers"]) != opts.expert_depth(layers):
+            raise ConfigError(
+                f"expert.num_hidden_layers={ex['num_hidden_layers']} but options.num_expert_layers={opts.num_expert_layers} "
+                f"with {layers} VLM layers means {opts.expert_depth(layers)}"
+            )
+        opts.check_kv_widths(layers, int(ex["hidden_size"]), int(lm["num_key_value_heads"]) * head_dim(lm))
+        for feature, mode in (("state", opts.state_norm), ("action", opts.action_norm)):
+            missing = [k for k in NORM_STATS[mode] if k not in spec.norm_stats.get(feature, {})]
+            if missing:
+                raise ConfigError(f"options.{feature}_norm={mode} needs norm_stats.{feature}.{', '.join(missing)}")
+        if opts.adapt_to_pi_aloha and (spec.state_dim, spec.action_dim) != (14, 14):
+            raise ConfigError("options.adapt_to_pi_aloha maps ALOHA's 14 joints: state_dim and action_dim must be 14")
+        if opts.add_image_special_tokens and spec.tokenizer != "bundle":
+            raise ConfigError("options.add_image_special_tokens needs the checkpoint's tokenizer (tokenizer: bundle)")
+
+    def build_model(self, spec: BundleSpec) -> SmolVLAModel:
+        return SmolVLAModel(spec)
+
+    def make_policy(self, spec, model, config, planner, *, bundle_path: str = "", precision=None) -> SmolVLAPolicy:
+        return SmolVLAPolicy(spec, model, config, planner, precision=precision, bundle_path=bundle_path)
+
+    def describe(self, spec: BundleSpec) -> list[str]:
+        o = options_of(spec)
+        plan = o.layer_plan(int(spec.lm["num_hidden_layers"]))
+        kinds = "".join({"self": "S", "cross": "X", "skip": "-"}[s.kind] for s in plan)
+        return [
+            f"denoising   {spec.num_steps} Euler steps; expert layers per VLM layer {kinds} (S self, X cross, - none)",
+            f"padding     state {spec.state_dim} -> {o.max_state_dim}, actions {spec.action_dim} -> {o.max_action_dim}; "
+            f"normalization state {o.state_norm}, action {o.action_norm}",
+        ]
+
+    def decoder_layers(self, model: SmolVLAModel) -> dict[str, nn.ModuleList]:
+        return {"lm": model.vlm.layers, "expert": model.expert.layers}
+
+    def component_roots(self, model: SmolVLAModel) -> dict[str, list[nn.Module]]:
+        return {"vision": [model.vis.vision], "projector": [model.vis.connector]}
+
+    def demo_spec(
+        self, size: str, *, cameras: tuple[str, ...] = ("cam_high",), action_dim: int = 14, chunk_size: int | None = None,
+        lm_type: str = "llama", state_dim: int | None = None, norm_stats: dict | None = None, name: str | None = None,
+        default_instruction: str | None = None, **_unused,
+    ) -> BundleSpec:  # fmt: skip
+        """A random-weight SmolVLA-architecture bundle (the hash tokenizer: no vocabulary files)."""
+        if size not in _DEMO:
+            raise ConfigError(f"size={size!r}: smolvla demo bundles come in {', '.join(_DEMO)}")
+        if lm_type != "llama":
+            raise ConfigError("smolvla's text model is a Llama decoder (lm_type llama)")
+        d = _DEMO[size]
+        state_dim = action_dim if state_dim is None else state_dim
+        lm = {"model_type": "llama", **d["lm"], "vocab_size": d["vocab"], "max_position_embeddings": 8192, "rope_theta": 10000.0}
+        width = int(lm["hidden_size"] * 0.75)
+        expert = {**lm, "hidden_size": width, "intermediate_size": get_intermediate_size(width), "vocab_size": 1}
+        return BundleSpec(
+            family="smolvla", name=name or f"demo-smolvla-{size}", cameras=cameras, image_size=d["image"],
+            patch_size=d["patch"] * d["scale"], image_resize="pad", action_dim=action_dim,
+            joint_names=demo.joint_names(action_dim), dt=0.02, state_dim=state_dim,
+            norm_stats=norm_stats or demo.demo_norm_stats(action_dim, state_dim), text_vocab=d["vocab"] - 3,
+            vision={"model_type": "smolvlm_vision", **d["vision"], "image_size": d["image"], "patch_size": d["patch"],
+                    "scale_factor": d["scale"]},
+            chunk_size=chunk_size or 50, num_steps=10, instruction_template="{instruction}", max_text_tokens=48, lm=lm,
+            expert=expert, options=SmolVLAOptions(truncate_text=False).to_dict(),
+            **({"default_instruction": default_instruction} if default_instruction is not None else {}),
+        )  # fmt: skip
+
+    def flops(self, spec: BundleSpec, work, *, flow_steps: int) -> dict[str, float]:
+        o = options_of(spec)
+        lm, ex = spec.lm, spec.expert
+        d, p, h = int(lm["hidden_size"]), work.prefix_len, spec.chunk_size
+        dv, s = int(spec.vision["hidden_size"]), int(spec.vision["scale_factor"])
+        tokens = spec.grid * spec.grid
+        out = {
+            "vision": work.cameras_encoded * vision_flops(spec.vision),
+            "projector": work.cameras_encoded * 2.0 * tokens * dv * s * s * d,  # the connector's one map
+            "prefill": sum(decoder_layer_flops(lm, n, n * float(p)) for n in work.rows_per_layer),
+        }
+        plan = o.layer_plan(int(lm["num_hidden_layers"]))
+        hq, kv, hd = int(ex["num_attention_heads"]), int(ex["num_key_value_heads"]), head_dim(ex)
+        step = 0.0
+        one = {**ex, "num_hidden_layers": 1}
+        for st in plan:
+            if st.kind == "self":
+                step += decoder_layer_flops(one, h, h * (p + (h + 1) / 2.0))
+            elif st.kind == "cross":  # q/o and the MLP over the chunk; K/V maps once per prefix (below)
+                step += decoder_layer_flops(one, h, h * p) - 2.0 * h * int(ex["hidden_size"]) * hd * 2 * kv
+        suffix = 2.0 * h * (o.max_action_dim * int(ex["hidden_size"]) * 2 + 3 * int(ex["hidden_size"]) ** 2)
+        cross_kv = sum(2.0 * p * (kv * hd) ** 2 * 2 for st in plan if st.kind == "cross")
+        out["denoise"] = flow_steps * (step + suffix) + cross_kv
+        out["state"] = 2.0 * o.max_state_dim * d
+        return out
+
+
+FAMILY = SmolVLAFamily()
