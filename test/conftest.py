@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
+from pathlib import Path
 
 import pytest
+
+
+def _stale_files() -> list[str]:
+    """Source files of the package that differ from the installed copy the tests import (an
+    edit without ``make setup``): the suite would test old code."""
+    import vla_accel_ros
+
+    src = Path(__file__).resolve().parents[1] / "vla_accel_ros"
+    installed = Path(vla_accel_ros.__file__).parent
+    if installed.resolve() == src.resolve():
+        return []
+    digest = lambda p: hashlib.sha1(p.read_bytes()).digest()  # noqa: E731
+    return [str(p.relative_to(src.parent)) for p in sorted(src.rglob("*.py")) if "__pycache__" not in p.parts
+            and p.name != "__init__.py" and not ((installed / p.relative_to(src)).is_file()
+                                                 and digest(installed / p.relative_to(src)) == digest(p))]  # fmt: skip
+
+
+def pytest_sessionstart(session):
+    stale = _stale_files()
+    if stale:
+        pytest.exit(
+            f"the installed vla_accel_ros is older than the source ({', '.join(stale[:5])}"
+            f"{' ...' if len(stale) > 5 else ''}): run `make setup` (make test does) before pytest",
+            returncode=2,
+        )
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 # A suite started in a script's background inherits SIGINT ignored, and so would every process

@@ -98,7 +98,7 @@ def run_cache_bench(
     observations = synthetic_observations(spec, warmup + frames, seed=seed, speed=speed, noise=noise)
     rng = np.random.default_rng(seed)
     for i, obs in enumerate(observations):
-        chunk_noise = rng.standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
+        chunk_noise = rng.standard_normal(full.noise_shape or (spec.chunk_size, spec.action_dim)).astype(np.float32)
         k = i % len(contenders)
         for c in contenders[k:] + contenders[:k]:  # rotate who runs first
             out = c.policy.infer(obs, noise=chunk_noise)

@@ -374,10 +374,11 @@ def gate_frames_from_bag(path: Path, sync, second: int = 10) -> tuple[Any, Any] 
     return None if last is None else (first, last)
 
 
-def frame_noise(seed: int, index: int, spec) -> np.ndarray:
-    """The flow noise of frame ``index``: the same in every mode, reproducible across runs."""
+def frame_noise(seed: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The flow noise of frame ``index`` (``shape``: the policies' ``noise_shape``): the same in
+    every mode, reproducible across runs."""
     rng = np.random.default_rng((seed, index))
-    return rng.standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
+    return rng.standard_normal(shape).astype(np.float32)
 
 
 def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") -> dict[str, Any]:
@@ -406,6 +407,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
         r.reset()  # forget the parity gate's frames
     ref = next(r.policy for r in runs if r.name == BASELINE)
     flow_steps = getattr(ref, "num_steps", 0)  # policies that integrate a flow; 0: token decoding
+    noise_shape = ref.noise_shape or (spec.chunk_size, spec.action_dim)  # token decoding ignores it
 
     frame_episodes: list[int] = []
     frame_stamps: list[int] = []
@@ -436,7 +438,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
             prev_episode = obs.episode
             ep = episodes.setdefault(obs.episode, {"index": obs.episode, "instruction": obs.instruction, "frames": 0})
             ep["frames"] += 1
-            noise = frame_noise(cfg.seed, processed, spec)
+            noise = frame_noise(cfg.seed, processed, noise_shape)
             timed = processed >= cfg.warmup
             if timed:
                 timed_frames[obs.stamp_ns] = obs.instruction

@@ -85,6 +85,9 @@ class SmolVLAVision(nn.Module):
             SmolVLMConfig(vision_config=vcfg.to_dict(), text_config={"hidden_size": lm_hidden}, scale_factor=scale)
         )
         self.embed_scale = math.sqrt(lm_hidden)
+        self.scale = scale
+        self.side = vcfg.image_size // vcfg.patch_size  # patches per side
+        self.num_patches, self.num_tokens, self.out_dim = self.side**2, (self.side // scale) ** 2, lm_hidden
 
     @property
     def projector(self) -> nn.Module:  # the ``projector`` precision component
@@ -111,6 +114,28 @@ class SmolVLAVision(nn.Module):
         """pixels: [C, 3, S, S] in [-1, 1] -> [C, T, H]: every patch attends to every other."""
         feats = self.vision.encoder(inputs_embeds=self.patch_embeddings(pixels)).last_hidden_state
         return self.connector(self.vision.post_layernorm(feats)) * self.embed_scale
+
+    # -- the vision cache's view (models/vision.py: VisionTower) --------------------------------------
+    @property
+    def encoder_layers(self) -> nn.ModuleList:
+        return self.vision.encoder.layers
+
+    def post_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vision.post_layernorm(x)
+
+    def token_patches(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The s x s block of patches each token merges (the pixel shuffle's: token (i, j) of the
+        token grid holds patches (i s + m, j s + k), in row-major order)."""
+        s, g = self.scale, self.side // self.scale
+        i, j = tokens // g, tokens % g
+        m = torch.arange(s)
+        rows = (i[:, None, None] * s + m[None, :, None]) * self.side + (j[:, None, None] * s + m[None, None, :])
+        return rows.flatten().sort().values
+
+    def project_tokens(self, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[N, W] every patch's features -> [n, H] the embeddings of ``tokens``."""
+        shuffled = self.connector.pixel_shuffle(feats[None], self.scale)[0]  # [T, W s^2]
+        return self.connector.modality_projection(shuffled[tokens]) * self.embed_scale
 
 
 def get_intermediate_size(hidden: int, ffn_multiplier: int = 4, multiple_of: int = 256) -> int:
@@ -232,12 +257,6 @@ class SmolVLAPolicy(FlowPolicy):
     def __init__(self, spec: BundleSpec, model: SmolVLAModel, config, planner=None, *, precision=None, bundle_path: str = "") -> None:
         self.options = options_of(spec)
         super().__init__(spec, model, config, planner, precision=precision, bundle_path=bundle_path)
-        self.check_config(config)
-
-    def check_config(self, config) -> None:
-        super().check_config(config)
-        if config.uses_cache and config.cache.reuse_vision:
-            raise ConfigError("cache.reuse_vision: the vision cache is not built for smolvla's pixel-shuffled tokens yet")
 
     # -- construction hooks ---------------------------------------------------------------------
     def make_tokenizer(self):
@@ -292,6 +311,7 @@ class SmolVLAPolicy(FlowPolicy):
             image_start=2 if special else 0, text_start=n_img, text_len=text_len, state_slot=n_img + text_len,
             length=n_img + text_len + 1, fixed_slots=fixed, attention="bidirectional",
             num_layers=self.vlm_stack.num_layers, camera_stride=stride if special else 0,
+            static_patch=int(s.vision["patch_size"]),
         )  # fmt: skip
 
     def prepare_cache(self, layout: PrefixLayout) -> None:
