@@ -285,3 +285,33 @@ def test_bench_lerobot_runs_lerobot_and_ours_on_the_same_frames(two_camera_bundl
     assert rep["modes"]["baseline"]["deviation_vs_lerobot"]["max_over_std"] < 1e-4
     assert all(m["speedup_vs_lerobot"] > 0 and m["gate"]["passed"] for m in rep["modes"].values())
     assert (report / "report.md").read_text().count("| LeRobot |") == 1 and (report / "latency.png").is_file()
+
+
+def test_the_compiled_expert_step_matches_the_eager_one(tmp_path):
+    """``precision.compile``: the expert's step as one graph (here a backend without code
+    generation: the graph and its inlined attention are exercised) gives the eager actions,
+    with and without pruned prefix tokens; guidance (autograd) stays eager."""
+    from vla_accel_ros.core.parity import changed_observation, fixed_observation, gate_noise
+    from vla_accel_ros.core.types import ChunkGuidance
+    from vla_accel_ros.models.factory import create_demo_bundle
+    from vla_accel_ros.models.smolvla.expert import ExpertEngine
+
+    path = create_demo_bundle("smolvla", "tiny", tmp_path / "b", cameras=("cam_high", "cam_left_wrist"))
+    for accel in ("none", "cache+prune"):
+        cfg = PolicyConfig(parity_check=False, accel=accel)
+        eager, compiled = load_policy(path, cfg), load_policy(path, cfg)
+        old = compiled.expert_engine
+        compiled.expert_engine = ExpertEngine(
+            compiled.model.expert, compiled.options.layer_plan(4), compiled.cache, max_positions=old.step.cos.shape[0],
+            compile=True, backend="aot_eager",
+        )  # fmt: skip
+        obs = fixed_observation(eager.spec)
+        noise = gate_noise(eager)
+        for frame in (obs, changed_observation(obs, eager.spec)):
+            a, c = eager.infer(frame, noise=noise), compiled.infer(frame, noise=noise)
+            np.testing.assert_allclose(c.actions, a.actions, atol=1e-5)
+        assert compiled.expert_engine.static_calls == 2 * eager.num_steps
+    guide = ChunkGuidance(prev_actions=a.actions, weights=np.ones(eager.spec.chunk_size, np.float32), frozen=0)
+    np.testing.assert_allclose(compiled.infer(obs, noise=noise, guidance=guide).actions,
+                               eager.infer(obs, noise=noise, guidance=guide).actions, atol=1e-5)  # fmt: skip
+    assert compiled.expert_engine.static_calls == 2 * eager.num_steps  # guided steps ran eager

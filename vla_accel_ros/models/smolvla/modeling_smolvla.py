@@ -275,7 +275,7 @@ class SmolVLAPolicy(FlowPolicy):
         plan = self.options.layer_plan(self.vlm_stack.num_layers)
         self.expert_engine = ExpertEngine(
             self.model.expert, plan, self.cache, max_positions=self.max_prefix + self.spec.chunk_size,
-            bf16_attention_above=self.precision.bf16_attention_above("expert"),
+            bf16_attention_above=self.precision.bf16_attention_above("expert"), compile=self.config.precision.compile,
         )  # fmt: skip
 
     @property
