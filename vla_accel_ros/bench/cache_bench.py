@@ -189,7 +189,7 @@ def summarize(contenders: list[Contender], spec, meta: dict[str, Any]) -> dict[s
 
 
 def format_report(result: dict[str, Any]) -> str:
-    meta, rows = result["meta"], result["rows"]
+    rows = result["rows"]
     lines = [
         f"{'contender':<12} {'p50 ms':>8} {'p95 ms':>8} {'speedup':>8} {'paired':>7} {'reuse':>6} {'select p50':>10} "
         f"{'resets':>6}  deviation vs full",

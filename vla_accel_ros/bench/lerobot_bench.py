@@ -141,7 +141,8 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
     from vla_accel_ros.core.robot.config import SyncConfig
     from vla_accel_ros.io.bag_reader import BagReader
     from vla_accel_ros.models.factory import load_bundle
-    from vla_accel_ros.models.smolvla.lerobot_import import SOURCE_FILE, import_lerobot
+    from vla_accel_ros.models.lerobot_compat import SOURCE_FILE
+    from vla_accel_ros.models.smolvla.lerobot_import import import_lerobot
 
     cfg.validate()
     names = parse_modes(list(cfg.modes))

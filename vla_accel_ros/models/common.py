@@ -20,7 +20,7 @@ from vla_accel_ros.core.robot.images import resize_rgb
 from vla_accel_ros.core.text import words_of
 
 # Language models the engine can drive, by the ``model_type`` a bundle names.
-_LM_TYPES = ("llama", "qwen2")
+_LM_TYPES = ("llama", "qwen2", "gemma")
 
 
 def _lm_classes(model_type: str):
@@ -32,6 +32,10 @@ def _lm_classes(model_type: str):
         from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
         return Qwen2Config, Qwen2Model, Qwen2ForCausalLM
+    if model_type == "gemma":  # (1 + w) RMSNorm, GeGLU, MQA: all inside its modules, which the engine drives as Llama's
+        from transformers import GemmaConfig, GemmaForCausalLM, GemmaModel
+
+        return GemmaConfig, GemmaModel, GemmaForCausalLM
     raise BundleError(f"lm.model_type={model_type!r} is not supported; use one of {', '.join(_LM_TYPES)}")
 
 
