@@ -36,8 +36,7 @@ import helpers  # noqa: E402  (test/helpers.py)
 pytestmark = pytest.mark.ros
 
 CAM_TOPIC = "/cam_high/camera/color/image_rect_raw"
-ARM = ["waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper", "left_finger", "right_finger"]
-START = [0.0, -0.96, 1.16, 0.0, -0.3, 0.0, 1.1, 0.05, -0.05]
+ARM, START = helpers.ARM, helpers.START
 WATCHDOG = 25  # control periods (the shipped default is 50)
 TIMEOUT = 120.0  # generous: the machine is shared; conditions usually hold within a second
 
@@ -110,11 +109,7 @@ class Probe(Node):
         self.image_pub.publish(msg)
 
     def _publish_joints(self) -> None:
-        now = self.get_clock().now().to_msg()
-        for pub in self.js_pubs:
-            msg = JointState(name=ARM, position=START)
-            msg.header.stamp = now
-            pub.publish(msg)
+        helpers.publish_joint_states(self, self.js_pubs)
 
     def count(self, what: str) -> int:
         with self.lock:
