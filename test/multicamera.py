@@ -12,9 +12,9 @@ tests run them) in healthy running::
     .venv/bin/python test/multicamera.py --duration 15 [--cameras cam_high,cam_left_wrist]
 
 and prints frames in per camera, observations out, observations per frame, and the age of the
-source observation when each inference started (read at ``InferenceWorker.infer``'s call, so
-the same figure before and after the worker measured it itself) and when each chunk was
-requested (``ChunkRequest.issued - header.stamp``).
+source observation when each inference started (read as the policy's ``infer`` is called, so the
+same figure before and after the worker measured it itself) and when each chunk was requested
+(``ChunkRequest.issued - header.stamp``).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def measure(duration_s: float, cameras: list[str], threads: int = 6) -> dict[str
     from vla_accel_ros.core.params_file import default_params_file
     from vla_accel_ros.models.factory import create_demo_bundle
     from vla_accel_ros.ros import bringup
-    from vla_accel_ros.ros.graph import CAMERA, POLICY, describe
+    from vla_accel_ros.ros.graph import CAMERA, CONTROLLER, POLICY, describe
 
     tmp = Path(tempfile.mkdtemp(prefix="multicam-"))
     bundle = create_demo_bundle("flow", "tiny", tmp / "bundle", seed=0, cameras=tuple(cameras))
@@ -145,15 +145,15 @@ def measure(duration_s: float, cameras: list[str], threads: int = 6) -> dict[str
         running.add_node("rig", rig)
         try:
             assert running.wait_ready(300.0) == "", "the policy did not start"
-            worker = running.nodes[POLICY].worker
+            pol = running.nodes[POLICY]
             starts: list[float] = []
-            infer = worker.infer
+            infer = pol.worker.policy.infer
 
-            def timed_infer(job, now_ns):  # the age of the job's observation as its inference starts
-                starts.append((now_ns() - job.stamp_ns) / 1e6)
-                return infer(job, now_ns)
+            def timed_infer(obs, **kwargs):  # the age of the observation as the model starts on it
+                starts.append((pol.get_clock().now().nanoseconds - obs.stamp_ns) / 1e6)
+                return infer(obs, **kwargs)
 
-            worker.infer = timed_infer
+            pol.worker.policy.infer = timed_infer
             time.sleep(2.0)  # warm: the first chunks, the first diagnostics
             cam = running.nodes[CAMERA]
             frames0, obs0, n_req = dict(cam.frames), cam.observations, len(rig.requests)
@@ -164,6 +164,7 @@ def measure(duration_s: float, cameras: list[str], threads: int = 6) -> dict[str
             ages = starts[n_start:]
             req_ages = rig.request_ages_ms(n_req)
             diag = rig.diagnostics_of(f"{CAMERA}: cameras", t0)
+            dropped = {n: dict(running.nodes[n].drops.counts) for n in (POLICY, CONTROLLER)}
         finally:
             running.shutdown()
     return {
@@ -177,6 +178,7 @@ def measure(duration_s: float, cameras: list[str], threads: int = 6) -> dict[str
         "requests": len(req_ages),
         "age_at_request_ms": {"p50": float(np.median(req_ages)) if req_ages else None, "max": max(req_ages, default=None)},
         "camera_diagnostics_not_ok": [(lvl, text) for lvl, text, _ in diag if lvl != "OK"],
+        "dropped_since_start": dropped,
     }
 
 

@@ -203,7 +203,7 @@ def test_builder_runs_both_halves_and_episodes_reset_it():
     b.begin_episode(4)  # nothing from episode 3 is used in episode 4
     assert b.instruction == "" and b.frame("a", IMG, 1020 * MS, 1020 * MS) is None
     assert b.frame("b", IMG, 1020 * MS, 1020 * MS) is None and b.rejects["no_state"] == 1
-    assert b.rejects == {"stale": 0, "skew": 0, "future": 0, "no_state": 1, "stale_state": 0}
+    assert b.rejects == {"stale": 0, "skew": 0, "future": 0, "repeated": 0, "no_state": 1, "stale_state": 0}
 
 
 def test_a_clock_that_jumps_back_starts_over():
