@@ -111,6 +111,9 @@ def test_health_names_a_camera_that_is_silent_or_re_sends_one_stamp_until_it_rec
     assert {h.camera: h.resent for h in asm.health(2400 * MS, error_ns=err)}["b"] == 4
     _stream(asm, "ab", 2400, 2500)
     assert {c: lvl for c, (lvl, _) in levels(2500).items()} == {"a": "ok", "b": "ok"}
+    # An error time below max_age never turns a fresh camera to ERROR: WARN comes first.
+    assert {h.camera: h.level for h in asm.health(2550 * MS, error_ns=10 * MS)} == {"a": "ok", "b": "ok"}
+    assert {h.camera: h.level for h in asm.health(2700 * MS, error_ns=10 * MS)} == {"a": "error", "b": "error"}
 
 
 def test_unknown_camera_is_an_error():

@@ -184,8 +184,8 @@ class ObservationAssembler:
 
     def health(self, now_ns: int, *, error_ns: int) -> list[CameraHealth]:
         """Per camera, in order: "ok" while its newest new frame arrived at most ``max_age_ns``
-        before ``now_ns``, else "warn", and "error" beyond ``error_ns``; the message says whether
-        it sends nothing or re-sends one stamp (its frames arrive, their stamp does not move)."""
+        before ``now_ns``, else "warn", and "error" beyond ``error_ns`` too; the message says
+        whether it sends nothing or re-sends one stamp (its frames arrive, their stamp does not move)."""
         out = []
         for cam in self.cameras:
             new_at = self._new_at.get(cam)
@@ -194,7 +194,7 @@ class ObservationAssembler:
                 out.append(CameraHealth(cam, "warn", "no frames yet", float("nan"), resent))
                 continue
             since = int(now_ns) - new_at
-            level = "error" if since > error_ns else "warn" if since > self.max_age_ns else "ok"
+            level = "ok" if since <= self.max_age_ns else "error" if since > error_ns else "warn"
             message = ""
             if level != "ok":
                 re_sending = run and int(now_ns) - self._sent_at[cam] <= self.max_age_ns
