@@ -106,6 +106,25 @@ def test_a_request_for_a_forgotten_observation_is_served_by_the_newest_without_g
     assert drops[-1] == "guidance_dropped"
 
 
+def test_an_observation_older_than_max_age_at_inference_start_is_not_used():
+    """Issue 33: the observation a request names (or the newest, continuous) is at most
+    max_age_ms (100 ms) old when its inference starts; an older one is counted and not used, a
+    request is served by a fresh newer observation when there is one, and the age at start is
+    a metric."""
+    w, policy, drops, _ = _worker()
+    w.channel.put(1000 * MS, _obs(1000 * MS))
+    assert w.infer(_job(w, 1000), lambda: 1150 * MS) is None  # 150 ms old when it would start
+    assert drops == ["stale_observation"] and not policy.seen
+    w.channel.put(1140 * MS, _obs(1140 * MS))  # a fresh one arrived meanwhile
+    served = w.infer(_job(w, 1000), lambda: 1150 * MS)
+    assert served.chunk.stamp_ns == 1140 * MS and w.superseded == 1 and drops == ["stale_observation"] * 2
+    values = w.health(failure="", alive=True, ready=True)[2]
+    assert values["observation age at start ms max"] == 10.0 and values["observation age at start ms p50"] == 10.0
+    c, cpolicy, cdrops, _ = _worker(trigger="continuous")
+    c.channel.put(1000 * MS, _obs(1000 * MS))
+    assert c.infer(c.next_job(0.0), lambda: 1101 * MS) is None and cdrops == ["stale_observation"] and not cpolicy.seen
+
+
 def test_the_state_half_of_the_rule_gates_inference():
     w, policy, drops, _ = _worker(max_state_age_ms=100.0)
     w.channel.put(2000 * MS, _obs(2000 * MS))

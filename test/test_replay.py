@@ -66,6 +66,8 @@ def test_report_json_schema_and_values(replays, sim_bag, tiny_bundles, family: s
     assert rep["warmup"] == WARMUP
     assert rep["bag"]["path"] == str(sim_bag) and rep["bag"]["observations"] == EPISODES * STEPS
     assert [e["frames"] for e in rep["bag"]["episodes"]] == [STEPS] * EPISODES
+    age = rep["bag"]["observation_age_ms"]  # at inference start, on the bag's clock: within max_age_ms
+    assert 0.0 <= age["min"] <= age["p50"] <= age["max"] <= 100.0
     assert rep["bundle"]["path"] == str(tiny_bundles[family]) and rep["bundle"]["family"] == family
     assert rep["mode_order"] == MODES and set(rep["modes"]) == set(MODES)
     assert rep["machine"]["torch_threads"] >= 1 and rep["machine"]["cpu_count"] >= 1
@@ -117,7 +119,8 @@ def test_report_md_and_plots(replays, family: str) -> None:
     report, rep, _ = replays[family]
     md = (report / "report.md").read_text()
     for needle in ("| mode | p50 ms | p95 ms | p99 ms | speedup vs baseline |", "Per-stage breakdown", "FLOPs estimate",
-                   rep["command"], "torch", "side by side are the figures to trust"):  # fmt: skip
+                   rep["command"], "torch", "side by side are the figures to trust",
+                   "observation age at inference start"):  # fmt: skip
         assert needle in md
     from PIL import Image
 

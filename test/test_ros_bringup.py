@@ -32,10 +32,12 @@ def test_bringup_runs_each_node_in_its_own_process_records_and_exits_with_a_summ
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "policy ready" in proc.stdout and "controller" in proc.stdout and "jitter p50" in proc.stdout
+    assert "observation age at inference start" in proc.stdout
     s = json.loads(out.read_text())
     assert s["duration_s"] >= 3.0
     assert s["camera_node"]["observations"] > 0
     assert s["policy_node"]["ready"] and s["policy_node"]["chunks"] > 0
+    assert 0.0 <= s["policy_node"]["obs_age_p50_ms"] <= s["policy_node"]["obs_age_max_ms"] <= 100.0  # max_age_ms
     ctl = s["action_controller_node"]
     assert ctl["commands"] > 0 and ctl["loop_rate_hz"] > 0 and 0.0 <= ctl["jitter_p50_ms"] <= ctl["jitter_p99_ms"]
     assert s["synthetic_sensors_node"]["frames"] > 0

@@ -411,6 +411,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
 
     frame_episodes: list[int] = []
     frame_stamps: list[int] = []
+    obs_ages: list[float] = []  # ms, of the timed frames' observations when their inference started
     episodes: dict[int, dict[str, Any]] = {}
     timed_frames: dict[int, str] = {}  # stamp -> instruction, of the timed frames
     truths: dict[int, list[str] | None] = {}  # stamp -> the ground-truth reasoning (reasoning bundles)
@@ -454,6 +455,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
             if timed:
                 frame_episodes.append(obs.episode)
                 frame_stamps.append(obs.stamp_ns)
+                obs_ages.append(sample.age_ms)
             processed += 1
             bar.update(1)
             if timed and progress:
@@ -472,7 +474,9 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
     meta = {
         "schema": SCHEMA,
         "command": command,
-        "bag": {**bag_info, "observations": processed, "skipped": skipped, "episodes": list(episodes.values())},
+        "bag": {**bag_info, "observations": processed, "skipped": skipped, "episodes": list(episodes.values()),
+                # each observation is inferred on as it is made: its age then, on the bag's clock
+                "observation_age_ms": distribution(obs_ages)},  # fmt: skip
         "bundle": _bundle_info(bundle_path, spec, ref, flow_steps),
         "frames": len(frame_episodes),
         "warmup": min(cfg.warmup, processed),

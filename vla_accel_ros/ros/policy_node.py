@@ -228,6 +228,9 @@ class PolicyNode(Node):
             "errors": w.errors,
             "latency_p50_ms": w.latency.get(50),
             "infer_p50_ms": w.infer_ms.get(50),
+            "obs_age_p50_ms": w.obs_age_ms.get(50),  # the observation's age when its inference started
+            "obs_age_max_ms": w.obs_age_ms.max,
+            "dropped": self.drops.snapshot(),  # inputs not used (stale_observation, ...), since the node started
         }
 
     def close(self) -> None:
