@@ -63,7 +63,20 @@ class Ros2:
         return ["bash", "-c", f"source {shlex.quote(str(self.install))}/setup.bash && exec {command}"]
 
     def run(self, command: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-        return subprocess.run(self.argv(command), env=self.env, capture_output=True, text=True, timeout=timeout)
+        return self.run_all([command], timeout)[0]
+
+    def run_all(self, commands: list[str], timeout: float = 60.0) -> list[subprocess.CompletedProcess]:
+        """Several commands at once: each spends its seconds waiting for discovery, not computing."""
+        procs = [subprocess.Popen(self.argv(c), env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+        done = []
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return done
 
     def run_for(self, command: str, seconds: float) -> str:
         """A command that runs until stopped (``ros2 topic hz``): its output after ``seconds``

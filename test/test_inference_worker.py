@@ -297,14 +297,16 @@ def test_stop_interrupts_the_inference_in_progress_between_layers_and_nothing_is
 
 
 def test_a_real_policy_stops_at_a_layer_boundary_and_infers_again_after_a_reset(tiny_policies):
-    """Engine and vision encoder check between layers: with the stop set, the tiny bundles'
-    inference raises Interrupted; without it (or after a reset) they infer as before."""
+    """The engine's layer loops and the vision tower's layers (transformers' own loop, through
+    forward pre-hooks) check: with the stop set, the tiny bundles' inference raises Interrupted
+    in the vision tower (the first stage); without it (or after a reset) they infer as before."""
     for policy in tiny_policies.values():
         obs = fixed_observation(policy.spec, 0)
         stop = threading.Event()
         stop.set()
-        with interruptible(stop), pytest.raises(Interrupted):
+        with interruptible(stop), pytest.raises(Interrupted) as raised:
             policy.infer(obs)
+        assert any(f.name == "_check_interrupt" for f in raised.traceback), "not stopped in the vision tower"
         policy.reset()
         with interruptible(threading.Event()):
             assert np.isfinite(policy.infer(obs).actions).all()

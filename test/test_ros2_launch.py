@@ -52,8 +52,12 @@ class Graph:
         return f"{self.prefix}/{node_or_topic}"
 
     def param(self, node: str, verb: str, *args: str) -> tuple[int, str, str]:
-        out = self.ros2.run(f"ros2 param {verb} --no-daemon --timeout 20 {self.name(node)} {' '.join(args)}")
-        return out.returncode, out.stdout.strip(), out.stderr.strip()
+        return self.params([(node, verb, *args)])[0]
+
+    def params(self, calls: list[tuple[str, ...]]) -> list[tuple[int, str, str]]:
+        """``ros2 param VERB NODE ARGS...`` for each (node, verb, *args), all at once."""
+        commands = [f"ros2 param {verb} --no-daemon --timeout 20 {self.name(node)} {' '.join(args)}" for node, verb, *args in calls]
+        return [(o.returncode, o.stdout.strip(), o.stderr.strip()) for o in self.ros2.run_all(commands)]
 
 
 def test_the_nodes_come_up(graph):
@@ -67,21 +71,21 @@ def test_the_nodes_come_up(graph):
 def test_the_parameter_file_applies_to_every_node_in_the_namespace(graph):
     """Every value config/aloha.yaml gives a node is the node's value (`ros2 param dump`),
     wherever the graph runs. rcl applies a plain `camera_node:` section only to /camera_node."""
+    # The values the issue found lost under a namespace, as config/aloha.yaml sets them.
+    got = graph.params([(POLICY, "get", "policy.accel"), (CONTROLLER, "get", "realtime_priority"),
+                        (CONTROLLER, "get", "robot.gripper.joint_open")])  # fmt: skip
+    assert [out for _, out, _ in got] == ["String value is: cache", "Integer value is: 50", "Double value is: 1.6214"], got
     params = load_params(default_params_file())
-    for node in (CAMERA, POLICY, CONTROLLER):
-        code, out, err = graph.param(node, "dump")
+    nodes = (CAMERA, POLICY, CONTROLLER)
+    for node, (code, out, err) in zip(nodes, graph.params([(node, "dump") for node in nodes])):
         assert code == 0, err
         held = flatten_parameters(yaml.safe_load(out)[graph.name(node)]["ros__parameters"])
         overridden = set(graph.description.node(node).parameters)
         expected = {k: v for k, v in node_parameters(params, node, graph.ns).items() if k not in overridden}
         if node == CAMERA:  # the /** section's robot.* is for the nodes that declare it
             expected = {k: v for k, v in expected.items() if not k.startswith("robot.")}
-        wrong = {k: (v, held.get(k, "<undeclared>")) for k, v in expected.items() if held.get(k) != v}
+        wrong = {k: (v, held.get(k, "<not in ros2 param dump>")) for k, v in expected.items() if held.get(k) != v}
         assert not wrong, f"{graph.name(node)}: parameter file value != node's value: {wrong}"
-    # The values the issue found lost under a namespace, as config/aloha.yaml sets them.
-    assert graph.param(POLICY, "get", "policy.accel")[1] == "String value is: cache"
-    assert graph.param(CONTROLLER, "get", "realtime_priority")[1] == "Integer value is: 50"
-    assert graph.param(CONTROLLER, "get", "robot.gripper.joint_open")[1] == "Double value is: 1.6214"  # the /** section
 
 
 def test_commands_flow_at_the_configured_rate(graph):
@@ -104,14 +108,16 @@ def test_ros2_param_set_applies_a_valid_value_and_refuses_bad_ones_with_the_reas
     code, out, err = graph.param(POLICY, "set", name, "0.95")
     assert code == 0 and out == "Set parameter successful", out + err
     assert graph.param(POLICY, "get", name)[1] == "Double value is: 0.95"
-    for value, reason in (("1.5", r"policy\.cache\.sim_threshold.*1\.5"), ("-0.5", r"policy\.cache\.sim_threshold.*-0\.5"),
-                          ("abc", r"Wrong parameter type, expected 'Type\.DOUBLE' got 'Type\.STRING'")):  # fmt: skip
-        code, out, err = graph.param(POLICY, "set", name, value)
-        assert err.startswith("Setting parameter failed: ") and re.search(reason, err), f"{value}: {out} {err}"
-    code, out, err = graph.param(POLICY, "set", "policy.accel", "warp")
-    assert err.startswith("Setting parameter failed: ") and "'none', 'cache', 'prune', 'cache+prune'" in err, err
-    assert graph.param(POLICY, "get", name)[1] == "Double value is: 0.95"  # the refused values left it as it was
-    assert graph.param(POLICY, "get", "policy.accel")[1] == "String value is: cache"
+    refused = {  # value set -> what the reason must say
+        (name, "1.5"): r"policy\.cache\.sim_threshold.*1\.5",  # out of range
+        (name, "-0.5"): r"policy\.cache\.sim_threshold.*-0\.5",
+        (name, "abc"): r"Wrong parameter type, expected 'Type\.DOUBLE' got 'Type\.STRING'",
+        ("policy.accel", "warp"): r"policy\.accel.*'none', 'cache', 'prune', 'cache\+prune'",  # unknown enum
+    }
+    for (param, value), (code, out, err) in zip(refused, graph.params([(POLICY, "set", *k) for k in refused])):
+        assert err.startswith("Setting parameter failed: ") and re.search(refused[param, value], err), f"{param} {value}: {out} {err}"
+    got = graph.params([(POLICY, "get", name), (POLICY, "get", "policy.accel")])
+    assert [out for _, out, _ in got] == ["Double value is: 0.95", "String value is: cache"], got  # as they were
 
 
 def test_ctrl_c_ends_every_process_cleanly_within_launchs_timeout(graph):
