@@ -128,7 +128,7 @@ def measure(duration_s: float, cameras: list[str], threads: int = 6) -> dict[str
 
     import yaml
 
-    from vla_accel_ros.core.params_file import default_params_file
+    from vla_accel_ros.core.params_file import default_params_file, node_section
     from vla_accel_ros.models.factory import create_demo_bundle
     from vla_accel_ros.ros import bringup
     from vla_accel_ros.ros.graph import CAMERA, CONTROLLER, POLICY, describe
@@ -136,8 +136,8 @@ def measure(duration_s: float, cameras: list[str], threads: int = 6) -> dict[str
     tmp = Path(tempfile.mkdtemp(prefix="multicam-"))
     bundle = create_demo_bundle("flow", "tiny", tmp / "bundle", seed=0, cameras=tuple(cameras))
     params = yaml.safe_load(default_params_file().read_text())
-    params["policy_node"]["ros__parameters"]["policy"]["parity_check"] = False
-    params["action_controller_node"]["ros__parameters"]["safety"]["start_enabled"] = True
+    node_section(params, "policy_node")["policy"]["parity_check"] = False
+    node_section(params, "action_controller_node")["safety"]["start_enabled"] = True
     (tmp / "params.yaml").write_text(yaml.safe_dump(params))
     with helpers.module_ros_context() as ctx:
         running = bringup.start(describe(params_file=tmp / "params.yaml", bundle=bundle), context=ctx, threads=threads)

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from vla_accel_ros.core.params_file import node_section
+
 pytest.importorskip("rclpy")
 
 pytestmark = pytest.mark.ros
@@ -65,7 +67,7 @@ def test_an_autoregressive_bundle_commands_with_stale_chunks_execute_last(tmp_pa
     import yaml
 
     params = yaml.safe_load(ros_params_file.read_text())
-    params["action_controller_node"]["ros__parameters"]["stale_chunks"] = "execute_last"
+    node_section(params, "action_controller_node")["stale_chunks"] = "execute_last"
     pfile = tmp_path / "ar.yaml"
     pfile.write_text(yaml.safe_dump(params))
     out = tmp_path / "summary.json"

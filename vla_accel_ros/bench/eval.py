@@ -334,7 +334,7 @@ def graph_params(name: str, cfg: EvalConfig) -> dict[str, Any]:
 
     from vla_accel_ros.bench.replay import _policy_config, mode_of
     from vla_accel_ros.core.config import flatten, unflatten
-    from vla_accel_ros.core.params_file import default_params_file, load_params
+    from vla_accel_ros.core.params_file import default_params_file, load_params, node_section
     from vla_accel_ros.core.policy_config import PolicyConfig
 
     mode = mode_of(name)
@@ -362,7 +362,7 @@ def graph_params(name: str, cfg: EvalConfig) -> dict[str, Any]:
             continue
         policy[key] = list(value) if isinstance(value, tuple) else value
     params = copy.deepcopy(load_params(cfg.params or default_params_file()))
-    section = params.setdefault("policy_node", {}).setdefault("ros__parameters", {})
+    section = node_section(params, "policy_node")
     section["policy"] = unflatten(policy)
     return params
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from vla_accel_ros.core.errors import PlanError
+from vla_accel_ros.core.interrupt import check as check_interrupt
 from vla_accel_ros.core.engine import DecoderStack, Engine, StepOutput, StepPlan, _rel_index, attention_dtype
 from vla_accel_ros.core.kv_cache import KVCache
 from vla_accel_ros.kernels import KernelSet
@@ -176,6 +177,7 @@ class CompiledEngine(Engine):
         self.static_calls = 0  # how many forwards took the compiled graph
 
     def forward(self, x: torch.Tensor, plan: StepPlan, *, differentiable: bool = False) -> StepOutput:
+        check_interrupt()  # between two compiled steps (the graph itself runs through)
         if differentiable or not is_static_plan(plan):
             return super().forward(x, plan, differentiable=differentiable)
         c, n = self.cache, plan.slots.numel()

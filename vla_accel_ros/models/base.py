@@ -30,6 +30,7 @@ from vla_accel_ros.models.common import (
     Projector,
     build_vision,
     format_instruction,
+    interrupt_between_layers,
     make_tokenizer,
     preprocess_frames,
 )
@@ -80,7 +81,7 @@ class VisionPrefix(nn.Module):
 
     def __init__(self, spec: BundleSpec, lm_hidden: int) -> None:
         super().__init__()
-        self.vision = build_vision(spec.vision)
+        self.vision = interrupt_between_layers(build_vision(spec.vision))
         self.projector = Projector(self.vision.config.hidden_size, lm_hidden)
         self.num_patches = self.num_tokens = spec.grid * spec.grid
         self.out_dim = lm_hidden

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vla_accel_ros.core.errors import BundleError, ObservationError
+from vla_accel_ros.core.interrupt import check as check_interrupt
 from vla_accel_ros.core.robot.images import resize_rgb
 from vla_accel_ros.core.text import words_of
 
@@ -57,6 +58,21 @@ def build_decoder(spec: Mapping[str, Any], where: str, *, causal_lm: bool) -> nn
     _, base_cls, lm_cls = _lm_classes(cfg.model_type)
     return lm_cls(cfg) if causal_lm else base_cls(cfg)
 
+
+
+def interrupt_between_layers(tower: nn.Module) -> nn.Module:
+    """A tower that transformers runs in one call (SigLIP, SmolVLM vision) stops before each of
+    its layers once the node running it is ending (:mod:`vla_accel_ros.core.interrupt`; the
+    engine's own layer loops check directly). Forward pre-hooks, so the stock modules stay as
+    they are."""
+    for name, module in tower.named_modules():
+        if re.search(r"(^|\.)layers\.\d+$", name):
+            module.register_forward_pre_hook(_check_interrupt)
+    return tower
+
+
+def _check_interrupt(module: nn.Module, args: tuple) -> None:
+    check_interrupt()
 
 def build_vision(spec: Mapping[str, Any]) -> nn.Module:
     from transformers import SiglipVisionConfig, SiglipVisionModel

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vla_accel_ros.core.interrupt import check as check_interrupt
+
 
 class VisionTower(Protocol):
     """What :class:`VisionCache` needs of a family's vision module (``policy.model.vis``)."""
@@ -98,6 +100,7 @@ class VisionCache:
         n, Hh, D = rows.numel(), self.num_heads, self.head_dim
         x = self.vis.patch_embeddings(pixels)[:, rows]  # [1, n, W] (patch conv + position)
         for l, layer in enumerate(self.layers):
+            check_interrupt()  # a node that is ending stops its inference here
             attn = layer.self_attn
             h = layer.layer_norm1(x)
             q = attn.q_proj(h).view(1, n, Hh, D).transpose(1, 2)  # [1, heads, n, D]

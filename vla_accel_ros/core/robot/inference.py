@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from vla_accel_ros.core.config import changed_fields, flatten
 from vla_accel_ros.core.errors import ConfigError, ObservationError, VlaAccelError
+from vla_accel_ros.core.interrupt import Interrupted, interruptible
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig
 from vla_accel_ros.core.robot.loop_stats import Percentiles
@@ -168,8 +169,15 @@ class InferenceWorker:
         self.motion_mode = int(mode)
 
     def stop(self) -> None:
+        """End :meth:`run`: an inference in progress stops at its next layer (and a load or
+        warm-up run inside :meth:`interruptible`)."""
         self._stop.set()
         self.requests.put(Request(-1, -1, COARSE))  # wake a worker waiting for one
+
+    def interruptible(self):
+        """Context for work on the worker's thread that :meth:`stop` interrupts between two
+        layers (:class:`~vla_accel_ros.core.interrupt.Interrupted`): inference, the model's load."""
+        return interruptible(self._stop)
 
     @property
     def stopped(self) -> bool:
@@ -237,7 +245,8 @@ class InferenceWorker:
         """The worker thread, until :meth:`stop`: apply what was set, take the next job, infer,
         hand the result to ``publish``. A step that raises (a planner that fails to build, a
         bug, bad input) is counted in ``errors`` and logged (with its traceback once per type
-        when it is not one of the package's own errors); the loop goes on."""
+        when it is not one of the package's own errors); the loop goes on. :meth:`stop` ends it
+        within one layer of the inference in progress, which publishes nothing."""
         while not self.stopped:
             try:
                 self.apply(take_pending())
@@ -245,10 +254,16 @@ class InferenceWorker:
                 if job is None or self.stopped:
                     continue
                 self.busy_since = time.monotonic()
-                served = self.infer(job, now_ns)
+                with self.interruptible():
+                    served = self.infer(job, now_ns)
                 self.busy_since = None
                 for one in served if isinstance(served, list) else ([] if served is None else [served]):
+                    if self.stopped:  # the node may be closing its publishers
+                        return
                     publish(one)
+            except Interrupted:
+                self.busy_since = None
+                return
             except Exception as e:  # noqa: BLE001 - one bad step must not stop the worker
                 self.busy_since = None
                 self.errors += 1

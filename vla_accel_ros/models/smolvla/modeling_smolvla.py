@@ -43,7 +43,7 @@ from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.prefix import PrefixLayout
 from vla_accel_ros.core.types import ActionChunk, Observation
 from vla_accel_ros.models import demo
-from vla_accel_ros.models.common import lm_config, sincos_embedding
+from vla_accel_ros.models.common import interrupt_between_layers, lm_config, sincos_embedding
 from vla_accel_ros.models.flops import decoder_layer_flops, vision_flops
 from vla_accel_ros.models.lerobot_compat import LeRobotFamily, LeRobotPolicy, check_lerobot_io
 from vla_accel_ros.models.smolvla.configuration_smolvla import SmolVLAOptions
@@ -77,7 +77,7 @@ class SmolVLAVision(nn.Module):
 
         vcfg = vision_config(spec)
         scale = int(spec.vision["scale_factor"])
-        self.vision = SmolVLMVisionTransformer(vcfg)
+        self.vision = interrupt_between_layers(SmolVLMVisionTransformer(vcfg))
         self.connector = SmolVLMConnector(
             SmolVLMConfig(vision_config=vcfg.to_dict(), text_config={"hidden_size": lm_hidden}, scale_factor=scale)
         )
