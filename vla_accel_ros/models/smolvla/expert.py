@@ -33,6 +33,7 @@ from torch import nn
 
 from vla_accel_ros.core.compiled import compile_settings
 from vla_accel_ros.core.engine import StepOutput, StepPlan, attention_dtype
+from vla_accel_ros.core.interrupt import check as check_interrupt
 from vla_accel_ros.core.kv_cache import KVCache
 from vla_accel_ros.kernels import get_kernels
 from vla_accel_ros.kernels.reference import attend_masked, attend_shared
@@ -148,6 +149,7 @@ class ExpertEngine:
     def forward(self, x: torch.Tensor, plan: StepPlan, *, differentiable: bool = False) -> StepOutput:
         """x: [1, H, W] the action tokens' embeddings; ``plan.slots`` start after the prefix
         (the flow policy's expert plan) -> the expert's final normed hidden states [1, H, W]."""
+        check_interrupt()  # a node that is ending stops its inference here (between two Euler steps)
         length = int(plan.slots[0])
         if self._prepared != (self.cache.writes, length):
             self._prepare(length)

@@ -40,6 +40,7 @@ from vla_accel_ros.core.bundle import BundleSpec, head_dim
 from vla_accel_ros.core.engine import StepPlan
 from vla_accel_ros.core.errors import BundleError, ConfigError
 from vla_accel_ros.core.kv_cache import Block, Segment
+from vla_accel_ros.core.precision import COMPONENTS
 from vla_accel_ros.core.prefix import PrefixLayout
 from vla_accel_ros.core.types import ActionChunk, Observation
 from vla_accel_ros.models import demo
@@ -385,6 +386,15 @@ class SmolVLAFamily(LeRobotFamily):
     """``smolvla`` bundles: LeRobot SmolVLA checkpoints (``vla-accel bundle import --lerobot``)."""
 
     name = "smolvla"
+    # Vision is most of a SmolVLA chunk (SigLIP at 512 px, 1,024 patches per camera): its linear
+    # layers in int8 (VNNI) are the largest saving measured on the full-size model (README,
+    # "SmolVLA against LeRobot"); the gate takes the vision tower back to bf16 where a bundle does
+    # not tolerate int8 within precision.gate_flow_max_over_std, then the decoders to fp32.
+    precision_defaults = {"vision": "int8", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"}
+    precision_fallbacks = (
+        {"vision": "bf16"}, {"vision": "bf16", "expert": "fp32"}, {"vision": "bf16", "lm": "fp32", "expert": "fp32"},
+        {c: "fp32" for c in COMPONENTS},
+    )  # fmt: skip
 
     def validate_spec(self, spec: BundleSpec) -> None:
         super().validate_spec(spec)
