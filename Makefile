@@ -13,7 +13,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # CPU runs: rendering of the simulator goes through EGL, no display needed.
 export MUJOCO_GL ?= egl
 
-PKG_SOURCES := $(shell find vla_accel_ros kernels config launch models -type f -not -name '*.pyc' -not -path '*/__pycache__/*' 2>/dev/null)
+PKG_SOURCES := $(shell find vla_accel_ros config launch bundles -type f -not -name '*.pyc' -not -path '*/__pycache__/*' 2>/dev/null)
 MSG_SOURCES := $(wildcard msg/*.msg) CMakeLists.txt cmake/pypi_wheels.cmake package.xml
 
 .PHONY: help setup test test-slow demo clean lint

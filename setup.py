@@ -21,24 +21,20 @@ def share(subdir: str) -> tuple[str, list[str]]:
 
 
 def share_tree(subdir: str) -> list[tuple[str, list[str]]]:
-    """Every directory under ``subdir`` with its files (the trained bundles in models/)."""
+    """Every directory under ``subdir`` with its files (the trained bundles in bundles/)."""
     dirs = [d for d in sorted((HERE / subdir).rglob("*")) if d.is_dir()] if (HERE / subdir).is_dir() else []
     return [share(str(d.relative_to(HERE))) for d in dirs]
 
 
 setup(
     version=VERSION,
-    packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]) + [f"{PACKAGE}.kernels"],
-    # The custom operators live in the top-level kernels/ directory (product layout) and are
-    # importable as vla_accel_ros.kernels, never as a top-level `kernels` module: that name
-    # belongs to the Hugging Face `kernels` package, which transformers probes for.
-    package_dir={f"{PACKAGE}.kernels": "kernels"},
+    packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
     data_files=[
         (f"share/{PACKAGE}", ["package.xml"]),
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
         share("config"),
         share("launch"),
-        *share_tree("models"),
+        *share_tree("bundles"),
     ],
     entry_points={
         "console_scripts": [f"vla-accel = {PACKAGE}.cli:main"]

@@ -10,19 +10,29 @@ from pathlib import Path
 import pytest
 
 
+# What setup.py installs beside the package (data_files: share/vla_accel_ros/<dir>), which the
+# package reads from there once installed (config/aloha.yaml, the shipped bundles).
+SHARED_DIRS = ("config", "launch", "bundles")
+
+
 def _stale_files() -> list[str]:
-    """Source files of the package that differ from the installed copy the tests import (an
-    edit without ``make setup``): the suite would test old code."""
+    """Files of the source tree that differ from the installed copy the tests use (an edit
+    without ``make setup``): the package's modules (kernels included) and the data files
+    setup.py installs to ``share/vla_accel_ros``. The suite would test old code otherwise."""
+    import sys
+
     import vla_accel_ros
 
-    src = Path(__file__).resolve().parents[1] / "vla_accel_ros"
+    repo = Path(__file__).resolve().parents[1]
     installed = Path(vla_accel_ros.__file__).parent
-    if installed.resolve() == src.resolve():
+    if installed.resolve() == (repo / "vla_accel_ros").resolve():
         return []
     digest = lambda p: hashlib.sha1(p.read_bytes()).digest()  # noqa: E731
-    return [str(p.relative_to(src.parent)) for p in sorted(src.rglob("*.py")) if "__pycache__" not in p.parts
-            and p.name != "__init__.py" and not ((installed / p.relative_to(src)).is_file()
-                                                 and digest(installed / p.relative_to(src)) == digest(p))]  # fmt: skip
+    pairs = [(p, installed / p.relative_to(repo / "vla_accel_ros")) for p in (repo / "vla_accel_ros").rglob("*.py")
+             if "__pycache__" not in p.parts]  # fmt: skip
+    share = Path(sys.prefix) / "share" / "vla_accel_ros"
+    pairs += [(p, share / p.relative_to(repo)) for d in SHARED_DIRS for p in (repo / d).rglob("*") if p.is_file()]
+    return sorted(str(src.relative_to(repo)) for src, dst in pairs if not (dst.is_file() and digest(dst) == digest(src)))
 
 
 def pytest_sessionstart(session):
@@ -123,7 +133,7 @@ def colcon_install(tmp_path_factory):
     pkg = ws / "src" / "vla_accel_ros"
     pkg.mkdir(parents=True)
     repo = Path(__file__).resolve().parents[1]
-    for name in ("CMakeLists.txt", "package.xml", "cmake", "msg", "vla_accel_ros", "kernels", "launch", "config", "resource"):
+    for name in ("CMakeLists.txt", "package.xml", "cmake", "msg", "vla_accel_ros", "launch", "config", "resource"):
         src = repo / name
         if src.is_dir():
             shutil.copytree(src, pkg / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

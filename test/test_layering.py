@@ -1,7 +1,7 @@
 """The package's rooms import only downward: the layering, proved by walking every import.
 
-core (engine, cache, scheduling, robot logic) imports nothing else of the package but the
-kernels; models build on core; io and sim are ROS-free rooms on core; train learns bundles with
+kernels (the custom operators) import nothing of the package; core (engine, cache, scheduling,
+robot logic) imports nothing else of the package but the kernels; models build on core; io and sim are ROS-free rooms on core; train learns bundles with
 models and io; bench measures with all of those; ros is the only room with rclpy and never
 imports a benchmark; cli ties them.
 Function-level (lazy) imports count too: a lazy import is still a dependency.
@@ -21,6 +21,7 @@ PKG = "vla_accel_ros"
 
 # room -> the rooms it may import from (itself included)
 ALLOWED: dict[str, set[str]] = {
+    "kernels": {"kernels"},
     "core": {"core", "kernels"},
     "models": {"models", "core", "kernels"},
     "io": {"io", "core"},

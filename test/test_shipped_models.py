@@ -1,4 +1,4 @@
-"""The trained bundles the package ships (models/transfer_cube-{ar,flow}): installed, small,
+"""The trained bundles the package ships (bundles/transfer_cube-{ar,flow}): installed, small,
 loadable through the parity gate, and trained: on frames of the scripted expert they predict
 the expert's next actions far better than an untrained bundle of the same shape does."""
 

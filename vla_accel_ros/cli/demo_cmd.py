@@ -1,6 +1,6 @@
 """``vla-accel demo``: the main job (``make demo``).
 
-1. takes the trained bundles the package ships (``models/transfer_cube-{ar,flow}``), or with
+1. takes the trained bundles the package ships (``bundles/transfer_cube-{ar,flow}``), or with
    ``--size tiny|small`` creates random-weight demo bundles (speed benchmarks) when missing;
 2. records a short scripted transfer_cube episode from the ALOHA simulator when missing;
 3. replays that bag through both families in every mode side by side (the replay
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: bundles, sim bag, replay benchmark, closed loop")
     p.add_argument(
         "--size", choices=("trained", "tiny", "small"), default="trained",
-        help="trained: the shipped models/transfer_cube-{ar,flow,ar-reasoning}; tiny / small: random-weight demo bundles",
+        help="trained: the shipped bundles/transfer_cube-{ar,flow,ar-reasoning}; tiny / small: random-weight demo bundles",
     )  # fmt: skip
     p.add_argument("--workdir", type=Path, default=Path("artifacts"), help="where bundles, bags and reports go")
     p.add_argument("--steps", type=int, default=40, help="simulated steps in the demo bag (50 Hz)")

@@ -9,7 +9,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "parity",
         help="compare the engine with the reference forward (or a reference implementation's outputs); exit 1 beyond tolerance",
-        description="Examples: vla-accel parity --bundle models/transfer_cube-flow --accel cache;  "
+        description="Examples: vla-accel parity --bundle bundles/transfer_cube-flow --accel cache;  "
         "vla-accel parity --bundle B --reference ../shared/fixtures/smolvla-lerobot",
     )
     p.add_argument("--bundle", required=True)

@@ -240,15 +240,15 @@ def save_bundle(path: str | Path, spec: BundleSpec, state_dict: Mapping[str, Any
     return path
 
 
-SHIPPED = ("transfer_cube-ar", "transfer_cube-flow", "transfer_cube-ar-reasoning")  # trained bundles in the repository's models/
+SHIPPED = ("transfer_cube-ar", "transfer_cube-flow", "transfer_cube-ar-reasoning")  # trained bundles in the repository's bundles/
 
 
 def shipped_bundle(name: str) -> Path:
-    """A trained bundle the package ships (``models/<name>``, installed to share/vla_accel_ros/models)."""
+    """A trained bundle the package ships (``bundles/<name>``, installed to share/vla_accel_ros/bundles)."""
     from vla_accel_ros.core.params_file import find_shared
 
     try:
-        path = find_shared(f"models/{name}")
+        path = find_shared(f"bundles/{name}")
     except FileNotFoundError as e:
         raise BundleError(f"shipped bundle {name!r} not found: {e}") from e
     if not (path / CONFIG_FILE).is_file():

@@ -22,7 +22,7 @@ C = TypeVar("C")
 
 def find_shared(relative: str) -> Path:
     """A file or directory the package ships beside its code (``config/aloha.yaml``,
-    ``models/<bundle>``): from the source tree, an ament share directory (colcon install
+    ``bundles/<bundle>``): from the source tree, an ament share directory (colcon install
     space) or the Python environment's ``share/vla_accel_ros``."""
     here = Path(__file__).resolve()
     candidates = [here.parents[2] / relative]  # the source tree
