@@ -1,11 +1,11 @@
-"""The action controller's tick without ROS (core/scheduling/control_loop.py), on a counter clock."""
+"""The action controller's tick without ROS (core/robot/control_loop.py), on a counter clock."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from vla_accel_ros.core.robot.config import ALOHA_JOINT_NAMES, ControllerConfig, SafetyConfig
-from vla_accel_ros.core.scheduling.control_loop import ControlLoop
+from vla_accel_ros.core.robot.control_loop import ControlLoop
 from vla_accel_ros.core.types import ActionChunk
 
 MS = 1_000_000

@@ -67,6 +67,15 @@ def test_rooms_import_only_downward():
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
 
 
+def test_scheduling_is_a_floor_below_the_robot():
+    """core.scheduling turns chunks into actions on a clock and knows nothing of the robot; the
+    controller's tick that joins it with the safety filter and motion switch is core.robot's."""
+    bad = [f"{path.relative_to(SRC.parent)}:{line} imports {name}"
+           for path in sorted((SRC / "core" / "scheduling").rglob("*.py"))
+           for line, name in _imports(path) if name.startswith(f"{PKG}.core.robot")]  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
 def test_core_imports_no_third_party_robot_stack():
     """The core is plain Python, NumPy and torch: no ROS, no bag or simulator libraries."""
     bad = []

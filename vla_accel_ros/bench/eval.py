@@ -259,7 +259,7 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
     ``cfg.stream_every`` ticks an observation goes into the pipeline, and the chunks it completes
     reach the controller like any other (their stale actions are dropped by time)."""
     from vla_accel_ros.core.robot.motion import FINE, MODE_NAMES
-    from vla_accel_ros.core.scheduling.control_loop import ControlLoop
+    from vla_accel_ros.core.robot.control_loop import ControlLoop
     from vla_accel_ros.sim.live import DT_NS
 
     policy, pipe = run.policy, run.pipeline

@@ -1,7 +1,7 @@
 """action_controller_node: action chunks in, one safe joint command per control period out.
 
 A timer at ``scheduler.control_rate_hz`` (50 Hz) drives the ROS-free
-:class:`~vla_accel_ros.core.scheduling.control_loop.ControlLoop` (scheduler, watchdog, safety
+:class:`~vla_accel_ros.core.robot.control_loop.ControlLoop` (scheduler, watchdog, safety
 filter, motion estimate, request gating) with the node's clock (sim time under
 ``use_sim_time``). Every tick the node swaps in an accepted parameter change, drains its
 inbox (chunks, the newest observation stamp the policy announced), calls ``tick`` and sends
@@ -32,7 +32,7 @@ from vla_accel_ros.core.robot.config import ControllerConfig
 from vla_accel_ros.core.robot.loop_stats import LoopStats
 from vla_accel_ros.core.robot.motion import MODE_NAMES
 from vla_accel_ros.core.robot.state import StateAssembler
-from vla_accel_ros.core.scheduling.control_loop import ControlLoop
+from vla_accel_ros.core.robot.control_loop import ControlLoop
 from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest, MotionState
 from vla_accel_ros.ros import graph, qos

@@ -11,6 +11,8 @@ Modules:
     ``kinematics``   ViperX 300 s forward kinematics (ALOHA's follower arm)
     ``motion``       end-effector / joint speed estimates and the coarse|fine switch
     ``safety``       joint limits, per-step clamp, watchdog, e-stop and enable state
+    ``control_loop`` the action controller's tick: scheduler, watchdog, safety filter, motion
+                     switch, request gating (the controller node calls it from its timer)
     ``loop_stats``   control-loop rate, jitter and latency statistics for diagnostics
     ``config``       the validated configs the nodes mirror as ROS parameters
 """

@@ -4,9 +4,10 @@ timer with its own clock.
 
 Modules: ``queue`` (time-indexed plan on the tick grid), ``aggregation`` (overlap merging),
 ``rtc`` (Real-Time Chunking guidance; flow policies import :func:`prefix_weights`),
-``latency``, ``metrics``, ``scheduler``, ``control_loop`` (the action controller's tick
-without ROS; import it from its module). The deterministic closed loop of ``vla-accel bench
-scheduler`` is ``vla_accel_ros.bench.scheduler_sim``.
+``latency``, ``metrics``, ``scheduler``. Scheduling knows nothing of the robot: the action
+controller's tick, which joins the scheduler with the robot's safety filter and motion switch,
+is :mod:`vla_accel_ros.core.robot.control_loop`. The deterministic closed loop of
+``vla-accel bench scheduler`` is ``vla_accel_ros.bench.scheduler_sim``.
 """
 
 from vla_accel_ros.core.scheduling.aggregation import aggregate
