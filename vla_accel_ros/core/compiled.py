@@ -205,7 +205,7 @@ class CompiledEngine(Engine):
                 c.k.index_copy_(3, plan.slots, k_rows)
                 c.v.index_copy_(3, plan.slots, v_rows)
                 c.valid[:, plan.slots] = True
-            c.writes += 1  # what an eager plan run again kept of the cache is stale now
+            c.writes += 1  # what a reader derived from the cache is stale now (KVCache.writes)
             plan.memo["compiled"] = (c, c.writes, reads)  # its own rows were counted valid already
             if plan.output_slots is not None:
                 hidden = hidden[:, _rel_index(plan.slots, plan.output_slots, "output_slots")]

@@ -165,9 +165,9 @@ class StepPlan:
     taps: TapSpec | None = None
     prune: PruneHook | None = None
     key_window: int | None = None
-    # The engine's scratch for this plan (rotary rows, the attention rows of the cache layout,
-    # each layer's key window, mask and gather), kept when the same plan runs again, e.g. a
-    # flow policy's Euler steps; every entry is checked against the cache before it is used.
+    # What the engine and the compiled steps keep for this plan (rotary rows, the attention rows
+    # of the cache layout, each layer's key window and mask), kept when the same plan runs again,
+    # e.g. a flow policy's Euler steps; every entry is checked against the cache before it is used.
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -195,14 +195,40 @@ def _rel_index(superset: torch.Tensor, subset: torch.Tensor, what: str) -> torch
     return idx
 
 
-class _Written(NamedTuple):
-    """A layer's rows as written to the cache, and what the plan memo may keep of them."""
+class _Window(NamedTuple):
+    """One segment group's key window at one layer, as attention last read it."""
 
-    k: torch.Tensor  # [B, Hkv, n, D], the cache's dtype
-    v: torch.Tensor
-    repeat: bool  # the plan ran before: it keeps the keys it gathers
-    clean: bool  # nothing else wrote the cache since its last forward
-    same: bool  # ... and the valid flags are those it left
+    valid: torch.Tensor  # [S'] a copy of the window's valid flags
+    mask: torch.Tensor  # [n_g, S'] which keys each row may read
+    keep: torch.Tensor | None  # the key columns gathered (None: the window as it is)
+    kept_mask: torch.Tensor | None  # mask[:, keep]
+
+
+@dataclass
+class _Scratch:
+    """What the engine keeps in a plan between its forwards (``StepPlan.memo["engine"]``):
+    valid for one engine, cache layout and set of rows, else built again.
+
+    Measured (small flow bundle, ``cache+prune@auto`` with the max-reuse cache settings, 38
+    frames of a 40-step scripted bag, one thread, policies interleaved per frame; three runs):
+    keeping each layer's windows across the Euler steps (``windows``) makes the denoise 3-4%
+    faster (2.9%, 4.3%, 3.1%), so it stays. Two things the engine kept before were measured and
+    dropped as not worth their code: the readable keys a plan gathered, updated in place with its
+    own rows while nothing else wrote the cache (the denoise 1.8%, -0.3% and 0.5% faster with
+    them: 0.7% on average), and a bf16 attention output handed to a bf16 ``o_proj`` as it is
+    (``takes_bf16``: 0.2%, 1.3%, 1.8%); actions were identical in every run. How: docs/results.md,
+    "Engine plan memo"."""
+
+    engine: "Engine"
+    layout: int  # the cache's layout_version
+    parts: tuple  # the plan's slots, positions and layer_slots (by identity)
+    cos: torch.Tensor  # [1, N, D]
+    sin: torch.Tensor
+    allowed_rows: torch.Tensor  # [N, S]
+    rows: torch.Tensor | None = None  # the rows the windows below were made for
+    groups: list = field(default_factory=list)  # their segment groups (_segment_groups)
+    windows: dict[tuple[int, int], _Window] = field(default_factory=dict)  # (group, layer) -> window
+    previous: dict[int, _Window] = field(default_factory=dict)  # group -> the previous layer's window
 
 
 class Engine:
@@ -251,31 +277,22 @@ class Engine:
         rows = plan.slots
         if rows.numel() != N or plan.positions.numel() != N:
             raise PlanError(f"x has {N} rows but plan has {rows.numel()} slots / {plan.positions.numel()} positions")
-        memo = plan.memo
         parts = (plan.slots, plan.positions, plan.layer_slots)
+        memo: _Scratch | None = plan.memo.get("engine")
         if (
-            memo.get("engine") is not self or memo.get("layout") != cache.layout_version
-            or any(a is not b for a, b in zip(memo.get("parts", ()), parts))
+            memo is None or memo.engine is not self or memo.layout != cache.layout_version
+            or any(a is not b for a, b in zip(memo.parts, parts))
         ):  # fmt: skip
-            memo.clear()  # another engine (its rotary tables, its cache), a layout change, new rows
+            # another engine (its rotary tables, its cache), a layout change, new rows
             if N > 1 and not bool((rows[1:] > rows[:-1]).all()):
                 raise PlanError("plan.slots must be strictly ascending")
-            memo.update(
-                engine=self, layout=cache.layout_version, parts=parts, cos=self.cos[plan.positions][None],
-                sin=self.sin[plan.positions][None], allowed_rows=cache.allowed[rows],
-            )  # fmt: skip
-        cos, sin = memo["cos"], memo["sin"]  # [1, N, D]
+            memo = _Scratch(self, cache.layout_version, parts, self.cos[plan.positions][None],
+                            self.sin[plan.positions][None], cache.allowed[rows])  # fmt: skip
+            plan.memo["engine"] = memo
+        cos, sin = memo.cos, memo.sin  # [1, N, D]
         hook = plan.prune
-        # A plan run again (not differentiable) keeps the keys it gathers; they are current
-        # (but for its own rows) while nothing else wrote the cache since its last forward.
-        repeat = not differentiable and "writes" in memo
-        clean = repeat and memo["writes"] == cache.writes
         if not differentiable:  # counted before the first write too: a forward that raises part-way
-            cache.writes += 1  # has written some layers, and a plan run again must not trust its memo
-        # ... and when this forward and that one computed every row at every layer with nothing
-        # dropped, the valid flags are still what it left: their per-layer checks are skipped.
-        uniform = plan.layer_slots is None and not plan.drop and hook is None
-        same = clean and uniform and memo.get("uniform", False)
+            cache.writes += 1  # has written some layers (KVCache.writes: what others kept is stale)
         Hq, Hkv, D = st.num_heads, st.num_kv_heads, st.head_dim
         taps = TapResult() if plan.taps is not None else None
         tap_layers = set(plan.taps.layers) if plan.taps is not None else set()
@@ -284,7 +301,7 @@ class Engine:
         computed: list[int] = []
         dropped_at: dict[int, torch.Tensor] = dict(plan.drop)
         gone: torch.Tensor | None = None  # [S] bool: slots the hook dropped so far
-        allowed_rows = memo["allowed_rows"]  # [n, S]
+        allowed_rows = memo.allowed_rows  # [n, S]
 
         for l, layer in enumerate(st.layers):
             check_interrupt()  # a node that is ending stops its inference here
@@ -325,14 +342,12 @@ class Engine:
             else:
                 k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
                 kern.write_kv(k_cache, v_cache, rows, k, v)
-                if not same:
-                    cache.valid[l, rows] = True
+                cache.valid[l, rows] = True
                 valid = cache.valid[l]
             o = self._attend(
-                l, q, k_cache, v_cache, valid, allowed_rows, rows, plan.taps if l in tap_layers else None, taps, memo,
-                _Written(k, v, repeat, clean, same), getattr(attn.o_proj, "takes_bf16", False),
+                l, q, k_cache, v_cache, valid, allowed_rows, rows, plan.taps if l in tap_layers else None, taps, memo
             )  # fmt: skip
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))  # a bf16 o_proj's output is promoted exactly
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
             h = layer.post_attention_layernorm(x)
             fused = st.gate_up[l]
             if fused is None:
@@ -352,8 +367,6 @@ class Engine:
                     cache.invalidate(drop, from_layer=l + 1)
                     dropped_at[l + 1] = drop
 
-        if not differentiable:  # this forward's write was counted before its first layer
-            memo["writes"], memo["uniform"] = cache.writes, uniform
         hidden = None
         if plan.output_slots is not None:
             sel = _rel_index(rows, plan.output_slots, "output_slots")
@@ -361,82 +374,51 @@ class Engine:
         return StepOutput(hidden=hidden, taps=taps, computed_per_layer=computed, dropped=dropped_at)
 
     def _attend(
-        self, l, q, k_cache, v_cache, valid, allowed_rows, rows, tap: TapSpec | None, taps: TapResult | None, memo: dict,
-        new_kv: _Written, keep_low: bool = False,
+        self, l, q, k_cache, v_cache, valid, allowed_rows, rows, tap: TapSpec | None, taps: TapResult | None,
+        memo: _Scratch,
     ):  # fmt: skip
         """Attention of the computed rows over the keys their segments hold.  q: [B, Hq, n, D]
 
         Rows of one segment read only that segment's key window [start, visible end): a packed
         forward over several segments (pipelined frames) costs what its segments cost apart,
-        not rows x every slot of the cache. ``memo`` (the plan's) keeps, per layer, the window's
-        valid flags (a copy), mask and gather: the next layer with the same rows and the same
-        valid keys (most of them), and the same layer when the plan runs again (a flow policy's
-        Euler steps), reuse them instead of recomputing a dozen small ops each.
-
-        ``new_kv``: the rows' K/V as written to the cache and what the memo may keep. Gathered
-        keys are kept per layer: when the plan runs again over the same valid keys and nothing
-        else wrote the cache, only the rows' own K/V are written into them instead of gathering
-        the window again (a pruned flow prefix: denoise 3% faster, same results).
-
-        ``keep_low``: the output projection casts its input to bf16 anyway (``takes_bf16``), so
-        a bf16 attention output is returned as it is instead of through fp32 and back (the
-        same values, two casts fewer per layer)."""
+        not rows x every slot of the cache. ``memo`` (the plan's) keeps each window's mask and
+        gather (:class:`_Window`) for the next layer with the same rows and the same valid keys
+        (most of them: ar `baseline@hybrid` decode 279 -> 265 ms, flow `baseline@bf16` 526 ->
+        512 ms), and for the same layer when the plan runs again (a flow policy's Euler steps
+        over a pruned prefix build its masks once per chunk: denoise 5% faster); each is checked
+        against the cache's valid flags before it is used."""
         kern, scale = self.kernels, self.stack.scaling
         low = attention_dtype(self.bf16_attention_above, rows.numel(), q.dtype)
-        if memo.get("rows") is not rows:  # layer 0, or the rows shrank: windows of other rows
-            for key in [k for k in memo if isinstance(k, tuple)]:
-                del memo[key]
-            memo["rows"], memo["groups"] = rows, self._segment_groups(rows)
-        groups = memo["groups"]
-        out_dtype = low if keep_low and low is not None else q.dtype
-        out = torch.empty_like(q, dtype=out_dtype) if len(groups) > 1 else None
+        if memo.rows is not rows:  # layer 0, or the rows shrank: windows of other rows
+            memo.rows, memo.groups = rows, self._segment_groups(rows)
+            memo.windows.clear()
+            memo.previous.clear()
+        groups = memo.groups
+        out = torch.empty_like(q) if len(groups) > 1 else None
         for g, (idx, s0, s1) in enumerate(groups):
-            window = valid[s0:s1]  # this layer's row of the cache's valid flags
-            seen = memo.get((g, l))  # this layer, an earlier forward of the plan
-            if seen is None or not (new_kv.same or torch.equal(seen[0], window)):
-                seen = memo.get((g, None))  # the previous layer of this forward
-                if seen is None or not torch.equal(seen[0], window):
-                    mask = (allowed_rows if idx is None else allowed_rows[idx])[:, s0:s1] & window  # [n_g, S']
+            valid_now = valid[s0:s1]  # this layer's row of the cache's valid flags
+            w = memo.windows.get((g, l))  # this layer, an earlier forward of the plan
+            if w is None or not torch.equal(w.valid, valid_now):
+                w = memo.previous.get(g)  # the previous layer of this forward
+                if w is None or not torch.equal(w.valid, valid_now):
+                    mask = (allowed_rows if idx is None else allowed_rows[idx])[:, s0:s1] & valid_now  # [n_g, S']
                     keep = self._readable(mask)
-                    seen = (window.clone(), mask, keep, None if keep is None else mask[:, keep])
-                memo[(g, l)] = seen
-            memo[(g, None)] = seen
-            mask, keep, kept_mask = seen[1:]
+                    w = _Window(valid_now.clone(), mask, keep, None if keep is None else mask[:, keep])
+                memo.windows[(g, l)] = w
+            memo.previous[g] = w
+            mask = w.mask
             qg = q if idx is None else q[:, :, idx]
             keys, values = k_cache[:, :, s0:s1], v_cache[:, :, s0:s1]
             if tap is not None and self._taps_group(tap, rows if idx is None else rows[idx]):
                 self._tap(l, qg, keys, mask, rows if idx is None else rows[idx], tap, taps, s0)
             dt = low or q.dtype
-            if keep is not None:
-                keys, values = self._gathered(l, g, seen, keys, values, keep, rows, idx, s0, dt, memo, new_kv)
-                mask = kept_mask
-            o = kern.attend(qg.to(dt), keys.to(dt), values.to(dt), mask, scale).to(out_dtype)  # [B, Hq, n_g, D]
+            if w.keep is not None:  # the readable keys only
+                keys, values, mask = keys.index_select(2, w.keep), values.index_select(2, w.keep), w.kept_mask
+            o = kern.attend(qg.to(dt), keys.to(dt), values.to(dt), mask, scale).to(q.dtype)  # [B, Hq, n_g, D]
             if out is None:
                 return o
             out[:, :, idx] = o
         return out
-
-    @staticmethod
-    def _gathered(l, g, seen, keys, values, keep, rows, idx, s0, dt, memo: dict, new_kv: _Written):
-        """The window's readable keys and values (``keep``), in the attention dtype ``dt``.
-        keys / values: [B, Hkv, S', D] window views starting at slot ``s0``; the group's rows
-        are ``rows`` (or ``rows[idx]``)."""
-        kept = memo.pop(("kv", g, l), None) if new_kv.repeat else None
-        if new_kv.clean and kept is not None and kept[0] is seen:  # same valid keys, written only by this plan
-            _, kb, vb, pos = kept
-            k_new, v_new = (new_kv.k, new_kv.v) if idx is None else (new_kv.k[:, :, idx], new_kv.v[:, :, idx])
-            kb.index_copy_(2, pos, k_new.to(kb.dtype))
-            vb.index_copy_(2, pos, v_new.to(vb.dtype))
-        else:
-            kb, vb = keys.index_select(2, keep).to(dt), values.index_select(2, keep).to(dt)
-            if not new_kv.repeat:  # a plan's first forward keeps nothing: one-off plans pay nothing
-                return kb, vb
-            rel_rows = (rows if idx is None else rows[idx]) - s0
-            pos = torch.searchsorted(keep, rel_rows)
-            if not (bool((pos < keep.numel()).all()) and torch.equal(keep[pos.clamp_max(keep.numel() - 1)], rel_rows)):
-                return kb, vb
-        memo[("kv", g, l)] = (seen, kb, vb, pos)
-        return kb, vb
 
     def _segment_groups(self, rows: torch.Tensor) -> list[tuple[torch.Tensor | None, int, int]]:
         """(row indices or None for all, first key slot, one past the last visible key) per

@@ -100,8 +100,8 @@ class KVCache:
         # Counts set_layout calls: what an engine derived from ``allowed`` holds until it changes.
         self.layout_version = 0
         # Counts writes of K/V or valid flags (engine forwards, the methods below; any other
-        # writer must bump it): a plan run again may keep copies of keys it did not write only
-        # while nothing else wrote (the engine's plan memo).
+        # writer must bump it): what a reader derived from the cache (a compiled plan's window
+        # check, the SmolVLA expert's prepared prefix) holds only while it is unchanged.
         self.writes = 0
 
     @property

@@ -40,10 +40,6 @@ class Bf16Linear(nn.Module):
     every call, which cost 1.2-1.8x on the 50-row flow expert matmuls. Same results. The plain
     weight stays the parameter (state_dict, export, compiled graphs and gradients use it)."""
 
-    # The engine may hand it a bf16 input (an attention output in bf16): the matmul's input
-    # is the same, and its bf16 output then promotes exactly in the fp32 residual add.
-    takes_bf16 = True
-
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -167,8 +163,6 @@ class HybridLinear(nn.Module):
         self.int8_max_rows = int8_max_rows
         self.bf16 = Bf16Linear(linear)
         self.int8 = Int8Linear(linear)
-
-    takes_bf16 = True  # as Bf16Linear; the int8 path widens a bf16 input first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         few = x.numel() <= self.int8_max_rows * self.in_features
