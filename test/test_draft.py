@@ -18,7 +18,7 @@ from vla_accel_ros.bench.report import markdown  # noqa: E402
 from vla_accel_ros.core.bundle import load_bundle  # noqa: E402
 from vla_accel_ros.core.errors import ConfigError  # noqa: E402
 from vla_accel_ros.core.policy_config import PolicyConfig  # noqa: E402
-from vla_accel_ros.models.ar import DRAFT_WINDOW  # noqa: E402
+from vla_accel_ros.models.action_draft import DRAFT_WINDOW  # noqa: E402
 from vla_accel_ros.models.factory import load_policy  # noqa: E402
 
 STEPS = 6
@@ -88,7 +88,7 @@ def test_a_wrong_draft_is_cut_at_its_first_wrong_token(tiny_bundles, frames):
     for j in (0, 1, n // 2, n - 2, n - 1):
         wrong = list(truth)
         wrong[j] = first + (wrong[j] - first + 1) % bins  # another action token
-        drafted._draft, drafted._draft_key = wrong, (obs.episode, obs.instruction)
+        drafted.draft.remember(wrong, (obs.episode, obs.instruction))
         chunk = drafted.infer(obs)
         assert chunk.stats["action_tokens"] == truth, f"wrong token at {j}"
         # The prefill's draft rows give tokens 1..j; then each forward takes the last token and
@@ -97,7 +97,7 @@ def test_a_wrong_draft_is_cut_at_its_first_wrong_token(tiny_bundles, frames):
         assert (chunk.stats["decode_steps"], chunk.stats["draft_accepted"]) == (steps, n - 1 - steps), f"wrong token at {j}"
         # the rejected rows' K/V was overwritten: the next frame decodes the same as without a draft
         assert drafted.infer(frames[2]).stats["action_tokens"] == plain.infer(frames[2]).stats["action_tokens"]
-    drafted._draft, drafted._draft_key = list(truth), (obs.episode, obs.instruction)
+    drafted.draft.remember(list(truth), (obs.episode, obs.instruction))
     full = drafted.infer(obs)
     assert full.stats["draft_accepted"] == n - 1 and full.stats["decode_steps"] == 0
 

@@ -90,11 +90,11 @@ def test_the_action_draft_follows_a_kept_reasoning_and_equals_greedy_decoding(bu
     assert b.stats["decode_steps"] == 0 and accepted >= n - 1
     # A hypothesis with one wrong word: the reasoning is regenerated (to the same length when the
     # word is replaced), so the draft rows saw other words and must not be used.
-    truth, nw = list(drafted.memo_state.classes), len(drafted.reasoning_words)
+    truth, nw = list(drafted.reasoning.state.classes), len(drafted.reasoning_words)
     reference = greedy.infer(frames[3]).stats
     for j in range(len(truth)):
-        drafted.memo_state.classes = truth[:j] + [(truth[j] + 1) % nw] + truth[j + 1 :]
-        drafted._draft = list(reference["action_tokens"])
+        drafted.reasoning.state.classes = truth[:j] + [(truth[j] + 1) % nw] + truth[j + 1 :]
+        drafted.draft.tokens = list(reference["action_tokens"])
         got = drafted.infer(frames[3]).stats
         assert got["reasoning_tokens"] == reference["reasoning_tokens"], j
         assert got["action_tokens"] == reference["action_tokens"], j
@@ -126,9 +126,9 @@ def test_truncation_keeps_exactly_the_accepted_prefix_and_its_kv(bundle, frames)
     policy = _thresholded(bundle)
     a_obs, b_obs = frames[0], frames[STEPS - 1]
     first = policy.infer(a_obs)
-    classes = list(policy.memo_state.classes)
+    classes = list(policy.reasoning.state.classes)
     j = _failing_position(classes)
-    th = policy.thresholds
+    th = policy.reasoning.thresholds
     th.current[:] = 0.0  # every word passes ...
     th.current[classes[j]] = 2.0  # ... but this one, which occurs once, at j
     th.config = th.config.replace(adapt=False)
@@ -166,8 +166,8 @@ def test_two_consecutive_failing_words_refresh(bundle, frames):
     greedy = _policy(bundle)
     policy = _thresholded(bundle)
     policy.infer(frames[0])
-    classes = list(policy.memo_state.classes)
-    th = policy.thresholds
+    classes = list(policy.reasoning.state.classes)
+    th = policy.reasoning.thresholds
     th.current[:] = 0.0
     th.current[classes[1]] = th.current[classes[2]] = 2.0  # positions 1 and 2 (at least) fail
     out = policy.infer(frames[STEPS - 1])
@@ -183,8 +183,8 @@ def test_two_consecutive_failing_words_refresh(bundle, frames):
 def test_a_rejected_word_written_again_lowers_its_threshold(bundle, frames):
     policy = _thresholded(bundle)
     policy.infer(frames[0])
-    classes = list(policy.memo_state.classes)
-    th = policy.thresholds
+    classes = list(policy.reasoning.state.classes)
+    th = policy.reasoning.thresholds
     th.current[:] = 0.0
     j = _failing_position(classes)
     th.current[classes[j]] = 0.9999  # above what the model gives it on the same frame
@@ -212,14 +212,14 @@ def test_calibration_is_written_by_the_command_and_used_at_load(bundle, bag, tmp
     cal.image_attention = {w: 1.5 for w in cal.min_prob}
     cal.save(out)
     policy = _policy(bundle, mode="calibrated", calibration=str(out), threshold_scale=0.8)
-    words = policy.thresholds.words
+    words = policy.reasoning.thresholds.words
     for i, w in enumerate(words):
         expected = 0.5 * 1.5 * 0.8 if w in cal.min_prob else np.median(list(cal.min_prob.values())) * 0.8
-        assert policy.thresholds.calibrated[i] == pytest.approx(expected)
+        assert policy.reasoning.thresholds.calibrated[i] == pytest.approx(expected)
     # The default location: next to the bundle's weights.
     cal.save(bundle / CALIBRATION_FILE)
     try:
-        assert _policy(bundle, mode="calibrated").thresholds.calibrated[0] == pytest.approx(0.75)
+        assert _policy(bundle, mode="calibrated").reasoning.thresholds.calibrated[0] == pytest.approx(0.75)
     finally:
         (bundle / CALIBRATION_FILE).unlink()
 
@@ -328,13 +328,13 @@ def test_eval_reports_reuse_and_ground_truth_agreement_in_closed_loop(bundle, tm
 
 def test_memo_switches_at_run_time_or_refuses_and_changes_nothing(bundle, frames, tmp_path):
     policy = _policy(bundle)
-    assert policy.thresholds is None
+    assert policy.reasoning.thresholds is None
     bad = policy.config.replace(memo=policy.config.memo.replace(mode="calibrated", calibration=str(tmp_path / "none.json")))
     with pytest.raises(ConfigError, match="memo.calibration"):
         policy.configure(bad)
-    assert policy.config.memo.mode == "off" and policy.thresholds is None
+    assert policy.config.memo.mode == "off" and policy.reasoning.thresholds is None
     policy.infer(frames[0])
     policy.configure(policy.config.replace(memo=policy.config.memo.replace(mode="exact")))
-    assert policy.thresholds is not None
+    assert policy.reasoning.thresholds is not None
     policy.infer(frames[1])  # the first frame after the switch regenerates ...
     assert policy.infer(frames[1]).stats["reasoning_reused_fraction"] == 1.0  # ... then reuses

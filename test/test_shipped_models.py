@@ -69,7 +69,7 @@ def test_the_shipped_reasoning_bundle_reasons_like_the_ground_truth(scripted_dem
     path = shipped_bundle("transfer_cube-ar-reasoning")
     greedy = load_policy(path, PolicyConfig(parity_check=False))
     memo = load_policy(path, PolicyConfig.from_dict({"parity_check": False, "memo": {"mode": "calibrated"}}))
-    assert memo.thresholds.calibrated.min() < 0.9  # the shipped reasoning_calibration.json, not the 1.0 default
+    assert memo.reasoning.thresholds.calibrated.min() < 0.9  # the shipped reasoning_calibration.json, not the 1.0 default
     exact = load_policy(path, PolicyConfig.from_dict({"parity_check": False, "memo": {"mode": "exact"}}))
     agree = []
     for demo in demos:

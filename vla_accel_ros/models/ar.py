@@ -11,12 +11,14 @@ A reasoning bundle (``reasoning_words``) first writes its reasoning greedily ove
 (their ids lie just below the action bins) until ``<act>`` (the EOS id), at most
 ``max_reasoning_tokens``, then the actions: ``[prefix] [reasoning] <act> [actions]``. With
 ``memo.mode`` on, the previous frame's reasoning is validated in the prefill and only what no
-longer holds is regenerated (:mod:`vla_accel_ros.core.reasoning.memo`).
+longer holds is regenerated (:mod:`vla_accel_ros.models.reasoning_reuse`).
+
+With ``action_draft: previous`` the previous chunk's action tokens ride along in the prefill as
+the draft of speculative decoding (:mod:`vla_accel_ros.models.action_draft`). The prefill's rows
+are then ``[prefix] [hypothesis words, <act>] [draft tokens]``, each part present or not.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,33 +31,16 @@ from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.precision import PrecisionConfig
 from vla_accel_ros.core.prefix import PrefixLayout, PrefixPlanner, plan_stats
-from vla_accel_ros.core.reasoning.memo import ACT, CALIBRATION_FILE, Calibration, MemoState, Thresholds, decide
+from vla_accel_ros.core.reasoning.memo import ACT
 from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
 from vla_accel_ros.core.precision import COMPONENTS
 from vla_accel_ros.models import demo
+from vla_accel_ros.models.action_draft import ActionDraft, greedy_tokens
 from vla_accel_ros.models.base import PolicyBase, StageTimer, VisionPrefix
 from vla_accel_ros.models.common import HashWordTokenizer, Normalizer, build_decoder
 from vla_accel_ros.models.family import Family, check_vision_patch
 from vla_accel_ros.models.flops import decoder_layer_flops, prefix_flops
-
-
-# Rows of each decode forward after a draft's first rejection: the last token and the next
-# guesses of the draft. A forward of a few rows costs about one decode step (the weights stream
-# once), so a wrong guess costs little and a right one saves a step. Measured on the trained
-# ar bundle (40 frames, mean ms per frame): 1 row 184, 4 rows 172, 8 rows 178, 16 rows 201.
-DRAFT_WINDOW = 4
-
-
-def _confirm(tokens: list[int], guesses, predicted: list[int], n: int) -> int:
-    """Append to ``tokens`` the predictions whose inputs were right: ``predicted[i]`` followed
-    the input ``guesses[i]``, which must equal the last token so far. Returns how many."""
-    got = 0
-    for guess, token in zip(guesses, predicted):
-        if guess != tokens[-1] or len(tokens) >= n:
-            break
-        tokens.append(token)
-        got += 1
-    return got
+from vla_accel_ros.models.reasoning_reuse import ReasoningReuse
 
 
 class ArVLA(nn.Module):
@@ -118,112 +103,44 @@ class ArPolicy(PolicyBase):
         self.action_norm = Normalizer(spec.norm_stats["action"], spec.action_dim, "norm_stats.action")
         bins = spec.action_bins
         self.bin_centers = (-1.0 + (2.0 * np.arange(bins) + 1.0) / bins).astype(np.float32)
-        self.memo_state = MemoState()
-        self.thresholds: Thresholds | None = None
-        self._setup_memo(config)
-        self._draft: list[int] | None = None  # the last chunk's action tokens (action_draft)
-        self._draft_key: tuple | None = None  # (episode, instruction) the draft was made in
+        self.reasoning = (
+            ReasoningReuse(self.reasoning_words, model.reasoning_token_ids, spec.max_reasoning_tokens, bundle_path)
+            if self.reasoning_words else None
+        )  # fmt: skip
+        self.draft = ActionDraft()
+        if self.reasoning is not None:
+            self.reasoning.configure(config.memo)
+        else:
+            self._check_memo(config)
 
-    # -- reasoning reuse (MEMO-VLM) -----------------------------------------------------------------
+    # -- run-time options: reasoning reuse (MEMO-VLM) and the action draft ---------------------------
     def check_config(self, config: PolicyConfig) -> None:
         super().check_config(config)
-        self._memo_thresholds(config)  # ConfigError before anything changes
+        self._check_memo(config)  # ConfigError before anything changes
+
+    def _check_memo(self, config: PolicyConfig) -> None:
+        if self.reasoning is not None:
+            self.reasoning.thresholds_for(config.memo)  # reads a calibrated mode's calibration
+        elif config.memo.enabled:
+            raise ConfigError(f"memo.mode={config.memo.mode}: bundle {self.spec.name} writes no reasoning (no reasoning_words)")
 
     def configure(self, config: PolicyConfig) -> bool:
         replan = super().configure(config)
-        self._setup_memo(config)
-        self._draft = None
+        if self.reasoning is not None:
+            self.reasoning.configure(config.memo)
+        self.draft.reset()
         return replan
-
-    def _memo_thresholds(self, config: PolicyConfig) -> Thresholds | None:
-        memo = config.memo
-        if not memo.enabled:
-            return None
-        if not self.reasoning_words:
-            raise ConfigError(f"memo.mode={memo.mode}: bundle {self.spec.name} writes no reasoning (no reasoning_words)")
-        calibration = None
-        if memo.mode == "calibrated":
-            path = memo.calibration or str(Path(self.bundle_path or ".") / CALIBRATION_FILE)
-            calibration = Calibration.load(path, self.reasoning_words)
-        return Thresholds(self.reasoning_words, memo, calibration)
-
-    def _setup_memo(self, config: PolicyConfig) -> None:
-        self.thresholds = self._memo_thresholds(config)
-        self.memo_state.reset()
 
     def reset(self) -> None:
         super().reset()
-        self.memo_state.reset()
-        self._draft = None
-        if self.thresholds is not None:
-            self.thresholds.reset()
-
-    def _hypothesis(self, obs: Observation) -> list[int] | None:
-        """The previous frame's reasoning to validate in this frame's prefill (None: regenerate)."""
-        if self.thresholds is None:
-            return None
-        key = (obs.episode, obs.instruction)
-        if key != self.memo_state.key:
-            self.memo_state.reset()
-            self.memo_state.key = key
-            return None
-        return list(self.memo_state.classes) or None
+        if self.reasoning is not None:
+            self.reasoning.reset()
+        self.draft.reset()
 
     def _step(self, token_ids: list[int], slot: int, taps: TapSpec | None = None):
         """Tokens at consecutive slots from ``slot`` (a decode step: one), every row output."""
         s = torch.arange(slot, slot + len(token_ids))
         return self.engine.forward(self.model.embed_ids(token_ids)[None], StepPlan(slots=s, positions=s, output_slots=s, taps=taps))
-
-    def _reason(self, p0: int, rows_out: torch.Tensor, prev: list[int] | None) -> tuple[list[int], torch.Tensor, dict]:
-        """The reasoning of this frame. ``p0``: its first slot (the prefix length);
-        ``rows_out`` [1 + n, H]: the prefill's output at the last prefix row and, with a
-        hypothesis ``prev`` (n = its words + <act>), at each of its rows. Returns the word
-        classes, the hidden state that predicts the first action token, and stats."""
-        ids = self.model.reasoning_token_ids
-        n_prev = len(prev) if prev else 0
-        logits = self.model.reasoning_logits(rows_out[: n_prev + 1]).float()  # row i predicts word i
-        stats: dict = {"reasoning_validated": prev is not None, "reasoning_refresh": False}
-        keep, decision = 0, None
-        if prev is not None:
-            target = torch.tensor([*prev, self.act_class])
-            probs = logits.softmax(-1)
-            p = probs[torch.arange(n_prev + 1), target]
-            if self.config.memo.mode == "exact":
-                ok = (probs.argmax(-1) == target).numpy()
-            else:
-                ok = p.numpy() >= self.thresholds.of(target.numpy())
-            every = self.config.memo.refresh_every
-            decision = decide(ok, force_refresh=bool(every) and self.memo_state.frames_since_refresh + 1 >= every)
-            keep = decision.keep
-            stats["reasoning_refresh"] = decision.refresh
-            stats["reasoning_min_prob"] = float(p.min())
-        stats["reasoning_kept_whole"] = prev is not None and keep == n_prev + 1
-        if stats["reasoning_kept_whole"]:  # every word and <act> held: the actions follow the <act> row
-            classes, act_hidden = list(prev), rows_out[n_prev + 1]
-        else:
-            classes = list(prev[:keep]) if prev else []
-            nxt = int(logits[keep].argmax())
-            while nxt != self.act_class and len(classes) < self.spec.max_reasoning_tokens:
-                classes.append(nxt)
-                o = self._step([ids[nxt]], p0 + len(classes) - 1)
-                nxt = int(self.model.reasoning_logits(o.hidden[0, -1]).argmax())
-            act_hidden = self._step([ids[self.act_class]], p0 + len(classes)).hidden[0, -1]
-            if decision is not None and self.config.memo.mode == "calibrated":
-                # False rejections: a failed word the regeneration wrote again at its place.
-                same = [i for i in decision.failed.tolist() if i < min(len(classes), n_prev) and classes[i] == prev[i]]
-                if same:
-                    self.thresholds.adapt(target.numpy()[same], p.numpy()[same])
-        reused = min(keep, len(classes))
-        m = self.memo_state
-        m.classes = classes
-        m.frames_since_refresh = 0 if (prev is None or stats["reasoning_refresh"]) else m.frames_since_refresh + 1
-        stats.update(
-            reasoning_tokens=[ids[c] for c in classes], reasoning_text=" ".join(self.reasoning_words[c] for c in classes),
-            reasoning_len=len(classes), reasoning_reused=reused, reasoning_regenerated=len(classes) - reused,
-            reasoning_reused_fraction=reused / max(1, len(classes)),
-            memo_adaptations=self.thresholds.adaptations if self.thresholds is not None else 0,
-        )  # fmt: skip
-        return classes, act_hidden, stats
 
     @torch.inference_mode()
     def reasoning_trace(self, obs: Observation) -> tuple[list[str], list[float], list[float]]:
@@ -344,52 +261,44 @@ class ArPolicy(PolicyBase):
         with timer.stage("vision"):
             cams = self.image_rows(layout, rows)
             full = self.prefix_embeddings(obs, layout, ids, frames.pixels, cams, plan.vision_fresh)
+        key = (obs.episode, obs.instruction)
         with timer.stage("prefill"):
             p0 = layout.length
-            prev = self._hypothesis(obs) if self.reasoning_words else None
-            # MEMO: the previous reasoning and <act> ride along in the prefill (one pass).
-            extra = [] if prev is None else [self.model.reasoning_token_ids[c] for c in (*prev, self.act_class)]
-            n_hyp = len(extra)
-            # The draft follows where the actions will start if the hypothesis holds.
-            draft = self._draft if not self.reasoning_words or prev is not None else None  # set by action_draft only
-            if self._draft_key != (obs.episode, obs.instruction):
-                # Another episode or task: the old chunk says nothing about this one, and with a
-                # reduced-precision LM the tokens it confirms could differ from a fresh decode.
-                draft = None
-            if draft is not None:
-                extra = extra + draft[:-1]
-            ext = torch.arange(p0, p0 + len(extra))
-            x = full[rows]
-            layer_slots = plan.layer_slots
-            if extra:
-                x = torch.cat([x, self.model.embed_ids(extra).to(x.dtype)])
-                layer_slots = [torch.cat([ls, ext]) for ls in plan.layer_slots]
-            slots = torch.cat([rows, ext])
-            step = StepPlan(
-                slots=slots, positions=slots, layer_slots=layer_slots, drop=plan.drop,
-                output_slots=torch.cat([torch.tensor([p0 - 1]), ext]), taps=plan.taps, prune=plan.prune,
-            )  # fmt: skip
-            out = self.engine.forward(x[None], step)
+            # The prefill's rows after the prefix: the previous reasoning and <act> (MEMO-VLM's
+            # hypothesis), then the previous chunk's tokens (the action draft), which follow where
+            # the actions will start if the hypothesis holds.
+            hypothesis = self.reasoning.hypothesis(key) if self.reasoning is not None else None
+            hyp_ids = self.reasoning.prefill_ids(hypothesis) if self.reasoning is not None else []
+            draft = self.draft.for_frame(key) if self.reasoning is None or hypothesis is not None else None
+            extra = hyp_ids + (ActionDraft.prefill_ids(draft) if draft is not None else [])
+            out = self.engine.forward(*self._prefill_step(full, plan, p0, extra))
         with timer.stage("select"):
             self.planner.update(ctx, plan, out.taps)
         reasoning_stats: dict = {}
         a0 = p0  # slot of the first action token's input row
-        act_hidden = out.hidden[0, 0]
-        if self.reasoning_words:
+        act_hidden, draft_seen = out.hidden[0, 0], True
+        if self.reasoning is not None:
             with timer.stage("reason"):
-                classes, act_hidden, reasoning_stats = self._reason(p0, out.hidden[0, : 1 + n_hyp], prev)
-            a0 = p0 + len(classes) + 1
-        # The draft rows saw the right context only if the prefill's hypothesis rows hold this
-        # frame's reasoning: the same words (then <act> too, validated or forced by the length
-        # cap); a regenerated reasoning of the same length with other words does not.
-        same = not self.reasoning_words or (prev is not None and classes == list(prev))
-        draft_out = out.hidden[0, 1 + n_hyp :] if draft is not None and same else None
+                r = self.reasoning.resolve(
+                    self.config.memo, out.hidden[0, : 1 + len(hyp_ids)], hypothesis, self.model.reasoning_logits,
+                    lambda c, i: self._step([self.model.reasoning_token_ids[c]], p0 + i).hidden[0, -1],
+                )  # fmt: skip
+            a0, act_hidden, reasoning_stats = p0 + len(r.classes) + 1, r.act_hidden, r.stats
+            # The draft rows saw the right context only if the hypothesis rows hold this frame's reasoning.
+            draft_seen = r.held
+        draft_rows = out.hidden[0, 1 + len(hyp_ids) :] if draft is not None and draft_seen else None
         with timer.stage("decode"):
-            tokens, accepted, steps, rows_run = self._decode_tokens(a0, act_hidden, draft, draft_out)
+            # A rejected row's K/V (a later slot) is overwritten by the next forward before any
+            # row may read it: the causal mask hides later slots.
+            tokens, accepted, steps, rows_run = greedy_tokens(
+                self.num_action_tokens, int(self.model.action_logits(act_hidden).argmax()) + self._first_action_id, draft,
+                None if draft_rows is None else self._argmax_tokens(draft_rows),
+                lambda inputs, i: self._argmax_tokens(self._step(inputs, a0 + i).hidden[0]),
+            )  # fmt: skip
         with timer.stage("postprocess"):
             actions = self._decode_actions(tokens)
         if self.config.action_draft == "previous":
-            self._draft, self._draft_key = tokens, (obs.episode, obs.instruction)
+            self.draft.remember(tokens, key)
         stats = plan_stats(plan, layout, out.computed_per_layer, self.planner.name, out.dropped)
         stats["action_tokens"] = tokens
         stats["draft_rows"] = 0 if draft is None else len(draft) - 1
@@ -402,33 +311,22 @@ class ArPolicy(PolicyBase):
             joint_names=self.spec.joint_names, timings_ms=timer.finish(), stats=stats,
         )  # fmt: skip
 
-    def _decode_tokens(
-        self, a0: int, act_hidden: torch.Tensor, draft: list[int] | None, draft_out: torch.Tensor | None
-    ) -> tuple[list[int], int, int, int]:
-        """The action tokens, greedy: the first from ``act_hidden``, then as many as the draft
-        rows of the prefill confirm (``draft_out`` [n - 1, H]: the outputs of the rows whose
-        inputs were ``draft[:-1]`` at slots a0..), then decode forwards from slot ``a0 + len - 1``
-        on: each takes the last token and, with a draft, its next ``DRAFT_WINDOW - 1`` guesses.
-        Row i of a forward predicts the token after its input, which is greedy
-        decoding's token as long as every input before it equals the tokens so far (in fp32;
-        a reduced-precision LM computes the prefill's draft rows and the windows on other paths
-        than single decode rows, see the README). Returns the tokens, how many of them draft
-        rows confirmed (the prefill's and the windows'), the decode forwards and their rows."""
-        n, first = self.num_action_tokens, self._first_action_id
-        tokens = [int(self.model.action_logits(act_hidden).argmax()) + first]
-        accepted = 0 if draft_out is None else _confirm(tokens, draft, self._argmax_tokens(draft_out), n)
-        steps, rows_run = 0, 0
-        # A rejected row's K/V (slots from a0 + len(tokens) - 1 on) is overwritten by the next
-        # forward before any row may read it: the causal mask hides later slots.
-        while len(tokens) < n:
-            # guesses for tokens len .. at most n - 2: the last token is never an input
-            guesses = [] if draft is None else draft[len(tokens) : min(len(tokens) + DRAFT_WINDOW, n) - 1]
-            o = self._step([tokens[-1], *guesses], a0 + len(tokens) - 1)
-            predicted = self._argmax_tokens(o.hidden[0])
-            tokens.append(predicted[0])
-            accepted += _confirm(tokens, guesses, predicted[1:], n)
-            steps, rows_run = steps + 1, rows_run + 1 + len(guesses)
-        return tokens, accepted, steps, rows_run
+    def _prefill_step(self, full: torch.Tensor, plan, p0: int, extra: list[int]) -> tuple[torch.Tensor, StepPlan]:
+        """The prefill's input rows [1, N, H] and its StepPlan: the prefix rows the prefix plan
+        computes, then the tokens ``extra`` at slots ``p0..`` (computed at every layer). Its
+        outputs: the last prefix row, then every extra row."""
+        rows = plan.layer_slots[0]
+        ext = torch.arange(p0, p0 + len(extra))
+        x, layer_slots = full[rows], plan.layer_slots
+        if extra:
+            x = torch.cat([x, self.model.embed_ids(extra).to(x.dtype)])
+            layer_slots = [torch.cat([ls, ext]) for ls in plan.layer_slots]
+        slots = torch.cat([rows, ext])
+        step = StepPlan(
+            slots=slots, positions=slots, layer_slots=layer_slots, drop=plan.drop,
+            output_slots=torch.cat([torch.tensor([p0 - 1]), ext]), taps=plan.taps, prune=plan.prune,
+        )  # fmt: skip
+        return x[None], step
 
     def _argmax_tokens(self, hidden: torch.Tensor) -> list[int]:
         return (self.model.action_logits(hidden).argmax(-1) + self._first_action_id).tolist()
