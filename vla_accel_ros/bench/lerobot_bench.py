@@ -174,7 +174,8 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
         precision_overrides=cfg.precision_overrides,
     )  # fmt: skip
     t0 = time.perf_counter()
-    runs = build_runs(bundle, names, rcfg, gate_observations=(frames[0], frames[-1]))
+    # The gate's two frames: the bag's first two (consecutive frames, as the policy sees them).
+    runs = build_runs(bundle, names, rcfg, gate_observations=(frames[0], frames[1]))
     build_s = time.perf_counter() - t0
     gates = {r.name: _gate(r.policy) for r in runs}
     for r in runs:

@@ -291,6 +291,8 @@ class TokenCachePlanner:
     def _stats(self, s: Selection, fixed_reused: int) -> dict:
         return {
             "static_tokens": int(s.static.sum()),
+            # static tokens of cameras without a scene cut: what the eviction, age and cap choose from
+            "candidate_tokens": int((s.static & ~s.scene_cut[:, None]).sum()),
             "evicted_tokens": int(s.evicted.sum()),
             "capped_tokens": int(s.capped.sum()),
             "max_age_recomputed": int(s.aged.sum()),

@@ -460,7 +460,8 @@ class SmolVLAFamily(LeRobotFamily):
         state_dim = action_dim if state_dim is None else state_dim
         lm = {"model_type": "llama", **d["lm"], "vocab_size": d["vocab"], "max_position_embeddings": 8192, "rope_theta": 10000.0}
         width = int(lm["hidden_size"] * 0.75)
-        expert = {**lm, "hidden_size": width, "intermediate_size": get_intermediate_size(width), "vocab_size": 1}
+        expert = {**lm, "hidden_size": width, "intermediate_size": get_intermediate_size(width), "vocab_size": 1,
+                  "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}  # fmt: skip
         return BundleSpec(
             family="smolvla", name=name or f"demo-smolvla-{size}", cameras=cameras, image_size=d["image"],
             patch_size=d["patch"] * d["scale"], image_resize="pad", action_dim=action_dim,
