@@ -76,7 +76,11 @@ def test_report_json_schema_and_values(replays, sim_bag, tiny_bundles, family: s
         lat = m["latency_ms"]
         assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"], name
         assert len(m["per_frame"]["latency_ms"]) == rep["frames"]
-        assert m["speedup_vs_baseline"] > 0
+        # the ratio of the medians of the same frames, and the median of the per-frame ratios
+        base_lat = rep["modes"]["baseline"]["latency_ms"]
+        assert m["speedup_vs_baseline"] == pytest.approx(base_lat["p50"] / lat["p50"]), name
+        per_frame = np.asarray(rep["modes"]["baseline"]["per_frame"]["latency_ms"]) / np.asarray(m["per_frame"]["latency_ms"])
+        assert m["speedup_paired_median"] == pytest.approx(float(np.median(per_frame)), rel=1e-3), name
         assert 0.0 <= m["reuse_fraction"]["mean"] <= 1.0
         assert m["flops"]["estimate"] is True and m["flops"]["gflops_per_frame"]["mean"] > 0
         assert "total" in m["stages_ms"] and "prefill" in m["stages_ms"]
@@ -277,15 +281,15 @@ def test_prune_and_cache_overrides_reach_their_modes_only(sim_bag, tiny_bundles)
         bag=sim_bag, bundle=tiny_bundles["ar"], cache_overrides={"relevance_mode": "off"},
         prune_overrides={"keep_global": 48, "dynamic_layers": [0.25, 0.5]},
     )  # fmt: skip
-    both = rp._policy_config(rp.mode_of("cache+prune-aggressive"), cfg)
+    both = rp.policy_config(rp.mode_of("cache+prune-aggressive"), cfg)
     assert both.prune.keep_global == 48 and both.prune.keep_local == 32  # the override over the preset
     assert both.prune.dynamic_layers == (0.25, 0.5) and both.cache.relevance_mode == "off"
-    prune = rp._policy_config(rp.mode_of("prune"), cfg)
+    prune = rp.policy_config(rp.mode_of("prune"), cfg)
     assert prune.prune.keep_global == 48 and prune.cache.relevance_mode == "threshold"
-    assert rp._policy_config(rp.mode_of("cache"), cfg).prune == PruneConfig()
+    assert rp.policy_config(rp.mode_of("cache"), cfg).prune == PruneConfig()
     bad = dataclasses.replace(cfg, prune_overrides={"keep_global": 300})
     with pytest.raises(ConfigError, match="keep_global"):
-        rp._policy_config(rp.mode_of("prune"), bad)
+        rp.policy_config(rp.mode_of("prune"), bad)
 
 
 def test_pipelined_throughput_counts_the_drain_at_episode_ends(sim_bag, tiny_bundles):

@@ -24,6 +24,7 @@ held-out demonstrations (expert trajectories for the first evaluation seeds), ev
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,12 +32,28 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from vla_accel_ros.bench.outcomes import paired_vs_baseline, stage_summary, wilson_interval
 from vla_accel_ros.bench.reasoning import reasoning_summary, truth_words
-from vla_accel_ros.bench.replay import BASELINE, build_runs, check_overrides, machine_info, parse_modes
+from vla_accel_ros.bench.replay import BASELINE, build_runs, check_overrides, machine_info, mode_of, parse_modes, policy_config
 from vla_accel_ros.bench.stats import distribution
+from vla_accel_ros.core.config import flatten, unflatten
 from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.params_file import default_params_file, load_params, node_config, node_section
+from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.robot.config import CameraConfig, ControllerConfig, PolicyNodeConfig, SyncConfig
+from vla_accel_ros.core.robot.control_loop import ControlLoop
+from vla_accel_ros.core.robot.motion import FINE, MODE_NAMES
+from vla_accel_ros.core.robot.observation import ObservationBuilder
+from vla_accel_ros.core.robot.safety import default_limits
+from vla_accel_ros.core.robot.topics import TopicLayout
+from vla_accel_ros.core.types import ActionChunk
+from vla_accel_ros.models.factory import load_bundle
+from vla_accel_ros.sim.aloha import CAMERA_NAMES, TASK_NAMES, AlohaSim, SimConfig
+from vla_accel_ros.sim.live import DT_NS
+from vla_accel_ros.sim.robot_io import check_robot, joint_state_messages
+from vla_accel_ros.sim.scripted import ScriptedExpert
 
 SCHEMA = "vla_accel_ros.eval/1"
 LATENCY_MODELS = ("zero", "measured")
@@ -73,8 +90,6 @@ class EvalConfig:
     ros_episode_timeout_s: float = 600.0
 
     def validate(self) -> None:
-        from vla_accel_ros.sim.aloha import TASK_NAMES
-
         if self.task not in TASK_NAMES:
             raise ConfigError(f"--task {self.task!r} is not one of {', '.join(TASK_NAMES)}")
         if self.episodes < 1:
@@ -118,8 +133,6 @@ class GraphConfigs:
 
     def sync(self, image_size: int):
         """The observation rule's limits as the camera and policy nodes hold them."""
-        from vla_accel_ros.core.robot.config import SyncConfig
-
         c = self.camera
         return SyncConfig(max_age_ms=c.max_age_ms, max_skew_ms=c.max_skew_ms,
                           max_state_age_ms=self.policy_node.max_state_age_ms, image_size=image_size)  # fmt: skip
@@ -127,9 +140,6 @@ class GraphConfigs:
     @classmethod
     def load(cls, path: Path | None) -> "GraphConfigs":
         """From the graph's ROS 2 parameter file (default: the package's config/aloha.yaml)."""
-        from vla_accel_ros.core.params_file import default_params_file, load_params, node_config
-        from vla_accel_ros.core.robot.config import CameraConfig, ControllerConfig, PolicyNodeConfig
-
         params = load_params(path or default_params_file())
         controller = node_config(params, "action_controller_node", ControllerConfig)
         camera = node_config(params, "camera_node", CameraConfig)
@@ -145,11 +155,6 @@ class SimRobot:
     in the action layout."""
 
     def __init__(self, task: str, cameras: tuple[str, ...], robot, sync, height: int, width: int) -> None:
-        from vla_accel_ros.core.robot.observation import ObservationBuilder
-        from vla_accel_ros.core.robot.topics import TopicLayout
-        from vla_accel_ros.sim.aloha import CAMERA_NAMES, AlohaSim, SimConfig
-        from vla_accel_ros.sim.robot_io import check_robot
-
         check_robot(robot)
         layout = TopicLayout()
         ros_to_sim = {layout.ros_camera(c): c for c in CAMERA_NAMES}
@@ -170,8 +175,6 @@ class SimRobot:
 
     def publish_state(self, stamp_ns: int) -> None:
         """The joint states of this instant, as the robot's topics carry them."""
-        from vla_accel_ros.sim.robot_io import joint_state_messages
-
         for k, (names, pos, _vel) in enumerate(joint_state_messages(self.robot, self.sim.qpos(), self.sim.qvel())):
             self.builder.joint_state(k, names, pos, stamp_ns)
 
@@ -234,8 +237,6 @@ def warm_up(robot: SimRobot, run, seed: int) -> None:
     """One untimed inference on ``seed``'s first frame, then a reset: a mode's first call pays
     for lazy work (compiled graphs, oneDNN's weight packing, allocations) that would otherwise
     land in its first episode's latency (and, with ``--latency measured``, delay its first chunk)."""
-    from vla_accel_ros.sim.live import DT_NS
-
     robot.reset(seed)
     run.reset()
     robot.publish_state(DT_NS)
@@ -250,6 +251,48 @@ def warm_up(robot: SimRobot, run, seed: int) -> None:
     run.reset()
 
 
+@dataclass
+class _EpisodeLog:
+    """What an episode records of its chunks."""
+
+    latencies: list[float] = field(default_factory=list)
+    prefix: list[tuple[str, float, float]] = field(default_factory=list)  # (motion mode, kept, reused)
+    reasoning: list[dict] = field(default_factory=list)
+    truths: list = field(default_factory=list)
+
+    def chunk(self, chunk: ActionChunk, motion_mode: str) -> float:
+        """Records a chunk the controller will receive; returns its latency (ms): its compute,
+        or a pipelined chunk's compute while its frame was in flight."""
+        st = chunk.stats
+        ms = float(st.get("staleness_busy_ms", chunk.timings_ms["total"]))
+        self.latencies.append(ms)
+        self.prefix.append((str(st.get("motion_mode", motion_mode)), float(st.get("tokens_kept_fraction", 1.0)),
+                            float(st.get("reuse_fraction", 0.0))))  # fmt: skip
+        return ms
+
+
+def _chunks_now(robot: SimRobot, run, loop: ControlLoop, request, tick: int, now: int, cfg: EvalConfig, rng, log: _EpisodeLog) -> list:
+    """The chunks computed at this tick: a pipelined mode pushes an observation every
+    ``cfg.stream_every`` ticks (and gets the chunks it completes); any other mode infers once
+    when the controller requests a chunk (``request``, the tick's output)."""
+    policy, pipe = run.policy, run.pipeline
+    if not (tick % cfg.stream_every == 0 if pipe is not None else request is not None):
+        return []
+    obs = robot.observe(now)
+    if obs is None:
+        return []
+    policy.set_motion_mode(MODE_NAMES[loop.motion.mode])
+    if pipe is not None:
+        return pipe.push(obs)
+    spec = policy.spec
+    noise = rng.standard_normal(policy.noise_shape or (spec.chunk_size, spec.action_dim)).astype(np.float32)
+    chunk = policy.infer(obs, noise=noise, guidance=request.guidance)
+    if "reasoning_text" in chunk.stats:
+        log.reasoning.append(chunk.stats)
+        log.truths.append(truth_words(cfg.task, tick, obs.state))
+    return [chunk]
+
+
 def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalConfig, noise_seed: int) -> EpisodeResult:
     """One closed-loop episode on simulated time, the graph's tick order: the controller's tick
     (:class:`ControlLoop`: scheduler, safety filter, motion switch, request gating) at every
@@ -258,26 +301,17 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
     pipelined mode streams instead (the policy node's ``trigger: pipelined``): every
     ``cfg.stream_every`` ticks an observation goes into the pipeline, and the chunks it completes
     reach the controller like any other (their stale actions are dropped by time)."""
-    from vla_accel_ros.core.robot.motion import FINE, MODE_NAMES
-    from vla_accel_ros.core.robot.control_loop import ControlLoop
-    from vla_accel_ros.sim.live import DT_NS
-
-    policy, pipe = run.policy, run.pipeline
-    spec = policy.spec
     robot.reset(seed)
     run.reset()
-    controller = graph.controller if pipe is None else graph.controller.replace(request_chunks=False)
+    controller = graph.controller if run.pipeline is None else graph.controller.replace(request_chunks=False)
     loop = ControlLoop(controller)
     now = DT_NS  # as aloha_sim_node: sim time starts one tick in
     robot.publish_state(now)
     target = robot.measured()  # the simulator holds its start pose until commanded
     rng = np.random.default_rng((noise_seed, seed))
-    in_flight: list[tuple[int, Any]] = []  # (arrival time, chunk)
-    latencies: list[float] = []
-    reasoning: list[dict] = []
-    truths: list = []
+    in_flight: list[tuple[int, ActionChunk]] = []  # (arrival time, chunk)
+    log = _EpisodeLog()
     fine = 0
-    prefix: list[tuple[str, float, float]] = []
     for tick in range(cfg.steps):
         robot.publish_state(now)
         arrived = [c for t, c in in_flight if t <= now]
@@ -286,27 +320,8 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
         fine += loop.motion.mode == FINE
         if out.command is not None:
             target = out.command
-        chunks: list = []
-        if pipe is not None and tick % cfg.stream_every == 0:
-            obs = robot.observe(now)
-            if obs is not None:
-                policy.set_motion_mode(MODE_NAMES[loop.motion.mode])
-                chunks = pipe.push(obs)
-        elif pipe is None and out.request is not None:
-            obs = robot.observe(now)
-            if obs is not None:
-                policy.set_motion_mode(MODE_NAMES[loop.motion.mode])
-                noise = rng.standard_normal(policy.noise_shape or (spec.chunk_size, spec.action_dim)).astype(np.float32)
-                chunks = [policy.infer(obs, noise=noise, guidance=out.request.guidance)]
-                if "reasoning_text" in chunks[0].stats:
-                    reasoning.append(chunks[0].stats)
-                    truths.append(truth_words(cfg.task, tick, obs.state))
-        for chunk in chunks:
-            ms = float(chunk.stats.get("staleness_busy_ms", chunk.timings_ms["total"]))
-            latencies.append(ms)
-            st = chunk.stats
-            prefix.append((str(st.get("motion_mode", MODE_NAMES[loop.motion.mode])), float(st.get("tokens_kept_fraction", 1.0)),
-                           float(st.get("reuse_fraction", 0.0))))  # fmt: skip
+        for chunk in _chunks_now(robot, run, loop, out.request, tick, now, cfg, rng, log):
+            ms = log.chunk(chunk, MODE_NAMES[loop.motion.mode])
             # zero: the simulator waits for the chunk (aloha_sim_node's policy_sync), so it is in
             # the controller's inbox at the next tick; measured: its observation-to-action latency
             # after its frame (a pipelined chunk: the compute its frame saw while in flight), the
@@ -315,8 +330,8 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
         robot.step(target)
         now += DT_NS
     return EpisodeResult(
-        seed, robot.success, robot.reward, len(latencies), latencies, loop.holding_fraction(), fine / cfg.steps,
-        reasoning_stats=reasoning, reasoning_truths=truths, prefix=prefix,
+        seed, robot.success, robot.reward, len(log.latencies), log.latencies, loop.holding_fraction(), fine / cfg.steps,
+        reasoning_stats=log.reasoning, reasoning_truths=log.truths, prefix=log.prefix,
     )  # fmt: skip
 
 
@@ -330,13 +345,6 @@ def graph_params(name: str, cfg: EvalConfig) -> dict[str, Any]:
     ``policy`` section replaced by mode ``name``'s configuration as the ROS-free path builds it
     (defaults and the mode's fields, not the file's section). ConfigError for a mode the graph
     cannot run."""
-    import copy
-
-    from vla_accel_ros.bench.replay import _policy_config, mode_of
-    from vla_accel_ros.core.config import flatten, unflatten
-    from vla_accel_ros.core.params_file import default_params_file, load_params, node_section
-    from vla_accel_ros.core.policy_config import PolicyConfig
-
     mode = mode_of(name)
     if mode.reference:
         raise ConfigError(
@@ -350,7 +358,7 @@ def graph_params(name: str, cfg: EvalConfig) -> dict[str, Any]:
         )
     defaults = flatten(PolicyConfig())
     policy: dict[str, Any] = {}
-    for key, value in flatten(_policy_config(mode, cfg)).items():
+    for key, value in flatten(policy_config(mode, cfg)).items():
         if isinstance(value, (list, tuple)) and not value:
             # rcl reads [] as a byte array, so an empty list stays out of the file and the node
             # falls back to the field's default: right only when that default is empty too.
@@ -425,9 +433,6 @@ class Demo:
 
 def record_demos(robot: SimRobot, task: str, seeds: list[int], steps: int, stride: int) -> list[Demo]:
     """The scripted expert on ``seeds``, rendering every ``stride``-th step only."""
-    from vla_accel_ros.sim.live import DT_NS
-    from vla_accel_ros.sim.scripted import ScriptedExpert
-
     demos = []
     for seed in seeds:
         robot.reset(seed)
@@ -481,11 +486,6 @@ def open_loop_error(policy, demos: list[Demo], lower: np.ndarray, upper: np.ndar
 
 
 def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> dict[str, Any]:
-    from tqdm import tqdm
-
-    from vla_accel_ros.models.factory import load_bundle
-    from vla_accel_ros.core.robot.safety import default_limits
-
     cfg.validate()
     names = parse_modes(list(cfg.modes))
     graph = GraphConfigs.load(cfg.params)

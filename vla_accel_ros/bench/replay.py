@@ -306,7 +306,11 @@ def check_overrides(cfg) -> None:
                 raise ConfigError(f"{flag} {', '.join(f'{k}={v}' for k, v in values.items())}: {e}") from None
 
 
-def _policy_config(mode: Mode, cfg: ReplayConfig):
+def policy_config(mode: Mode, cfg: ReplayConfig):
+    """The :class:`PolicyConfig` mode ``mode`` runs with under ``cfg`` (a replay or an eval
+    configuration): the mode's fields, the run's ``--cache`` / ``--prune`` / ``--precision``
+    overrides where the mode uses them, and the run-wide settings (parity gate, threads, flow
+    steps, seed). ConfigError for an invalid override."""
     from vla_accel_ros.core.policy_config import PolicyConfig
 
     fields = {k: (dict(v) if isinstance(v, dict) else v) for k, v in mode.policy.items()}
@@ -331,7 +335,7 @@ def build_runs(bundle, names: list[str], cfg: ReplayConfig, gate_observations=No
     from vla_accel_ros.models.factory import load_policy, sibling_policy
 
     modes = {n: mode_of(n) for n in names}
-    configs = {n: _policy_config(modes[n], cfg) for n in names}  # invalid overrides fail before loading
+    configs = {n: policy_config(modes[n], cfg) for n in names}  # invalid overrides fail before loading
     piped = [n for n in names if modes[n].pipelined]
     family = get_family(bundle.spec.family)
     if piped and not family.pipelines:
