@@ -1,11 +1,14 @@
 """The ``vla-accel`` command line. Each subcommand lives in its own module and registers
-itself through ``register(subparsers)``; add new modules to ``COMMANDS``."""
+itself through ``register(subparsers)``; add new modules to ``COMMANDS``. Every command is made
+by :func:`command`, so its ``--help`` starts with what it does in one line and ends with an
+example (``test/test_cli_help.py`` holds every command to it)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+import textwrap
 
 from vla_accel_ros import __version__
 from vla_accel_ros.core.errors import VlaAccelError
@@ -27,8 +30,26 @@ COMMANDS = (
 )
 
 
+def command(
+    sub: argparse._SubParsersAction, name: str, summary: str, example: str | None = None, details: str = ""
+) -> argparse.ArgumentParser:
+    """A subcommand: ``summary`` is its one line (in the parent's list and atop its ``--help``),
+    ``details`` a paragraph after it, ``example`` one command line shown at the end (a group
+    of subcommands, e.g. ``bundle``, has none: its subcommands have theirs)."""
+    description = summary if not details else f"{summary}\n\n{textwrap.fill(details, 100)}"
+    epilog = None if example is None else "example:\n  " + example
+    return sub.add_parser(
+        name, help=summary, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vla-accel", description="Fast VLA policies for ROS 2.")
+    parser = argparse.ArgumentParser(
+        prog="vla-accel", description="Fast VLA policies for ROS 2.",
+        epilog="example:\n  vla-accel replay BAG --bundle bundles/transfer_cube-flow --modes baseline,cache --report R\n"
+        "`vla-accel COMMAND --help` says what a command does, with an example.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from vla_accel_ros.cli import command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bag", help="rosbag2 bags (MCAP, sqlite3) without ROS")
+    p = command(sub, "bag", "rosbag2 bags (MCAP, sqlite3) without ROS")
     bsub = p.add_subparsers(dest="bag_command", metavar="ACTION", required=True)
-    i = bsub.add_parser("inspect", help="print topics, message counts, duration and episodes")
+    i = command(
+        bsub, "inspect", "print a bag's topics, message counts, duration and episodes",
+        "vla-accel bag inspect artifacts/bags/transfer_cube",
+    )
     i.add_argument("path", help="bag directory, or a single .mcap / .db3 file")
     i.set_defaults(func=_inspect)
 

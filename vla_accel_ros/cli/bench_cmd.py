@@ -7,29 +7,34 @@ import importlib
 import json
 from pathlib import Path
 
+from vla_accel_ros.cli import command
+
 BENCHES = ("vla_accel_ros.cli.bench_cmd", "vla_accel_ros.cli.cache_bench_cmd", "vla_accel_ros.cli.sched_cmd")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
+    p = command(sub, "bench", "benchmarks (ratios measured side by side in one run)")
     bsub = p.add_subparsers(dest="bench_command", metavar="KIND", required=True)
     for name in BENCHES:
         importlib.import_module(name).register_bench(bsub)
 
 
 def register_bench(bsub: argparse._SubParsersAction) -> None:
-    e = bsub.add_parser("engine", help="engine vs transformers; partial recompute vs full prefill")
+    e = command(
+        bsub, "engine", "time the engine against transformers, and a partial recompute against a full prefill",
+        "vla-accel bench engine --bundle bundles/transfer_cube-flow --repeats 5",
+    )
     e.add_argument("--bundle", required=True)
     e.add_argument("--repeats", type=int, default=5)
     e.add_argument("--reuse", default="0.4,0.6,0.8", help="image-token reuse fractions to time")
     e.add_argument("--json", type=Path, help="also write the rows as JSON here")
     e.set_defaults(func=_engine)
-    lr = bsub.add_parser(
-        "lerobot", help="LeRobot's own SmolVLA vs ours on a bag's frames (same weights, noise, threads; interleaved)",
-        description="Runs LeRobot's policy in the Python given by --python (an environment with lerobot, e.g. "
-        "../shared/tools/lerobot-reference/install_lerobot_venv.sh) and this package's modes on the same frames. "
-        "Example: vla-accel bench lerobot --lerobot /tmp/smolvla-full/policy --python /tmp/lerobot-venv/bin/python "
+    lr = command(
+        bsub, "lerobot", "LeRobot's own SmolVLA vs ours on a bag's frames (same weights, noise, threads; interleaved)",
+        "vla-accel bench lerobot --lerobot /tmp/smolvla-full/policy --python /tmp/lerobot-venv/bin/python "
         "--bag artifacts/bags/cube3 --threads 2 --modes baseline,cache+prune@auto --report artifacts/reports/lerobot",
+        details="Runs LeRobot's policy in the Python given by --python (an environment with lerobot, e.g. "
+        "../shared/tools/lerobot-reference/install_lerobot_venv.sh) and this package's modes on the same frames.",
     )  # fmt: skip
     lr.add_argument("--lerobot", type=Path, required=True, metavar="DIR", help="LeRobot's saved SmolVLA policy directory")
     lr.add_argument("--vlm", type=Path, default=None, metavar="DIR", help="the SmolVLM directory (default: as the checkpoint names it)")
@@ -46,9 +51,10 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     lr.add_argument("--precision", action="append", default=[], metavar="FIELD=VALUE", help="PrecisionConfig override (repeatable)")
     lr.add_argument("--report", type=Path, required=True, help="directory for report.json, report.md, latency.png")
     lr.set_defaults(func=_lerobot)
-    o = bsub.add_parser(
-        "outcomes", help="task stages reached and paired comparisons of an eval report's modes (no simulation)",
-        description="Reads an eval report (report.json or its directory) and prints, per mode, the share of "
+    o = command(
+        bsub, "outcomes", "task stages reached and paired comparisons of an eval report's modes (no simulation)",
+        "vla-accel bench outcomes artifacts/reports/eval-flow-trained --json outcomes.json",
+        details="Reads an eval report (report.json or its directory) and prints, per mode, the share of "
         "episodes that reached each task stage and, against the baseline on the same seeds, the seeds only one of "
         "them reached it on with the exact McNemar p-value. Works on reports written before these fields existed.",
     )  # fmt: skip

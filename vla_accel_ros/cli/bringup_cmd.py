@@ -16,12 +16,14 @@ import json
 import time
 from pathlib import Path
 
+from vla_accel_ros.cli import command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bringup",
-        help="start the camera, policy and controller nodes (no launch_ros needed)",
-        description="Starts the graph of launch/aloha.launch.py from the same parameter file, each node in its "
+    p = command(
+        sub, "bringup", "start the camera, policy and controller nodes (no launch_ros needed)",
+        "vla-accel bringup --bundle bundles/transfer_cube-flow --sim --duration 20",
+        details="Starts the graph of launch/aloha.launch.py from the same parameter file, each node in its "
         "own process as ros2 launch does. Needs rclpy (the ROS 2 wheels `make setup` installs, or a sourced ROS install).",
     )
     p.add_argument("--params", type=Path, metavar="F", help="ROS 2 parameter file (default: config/aloha.yaml)")

@@ -8,13 +8,16 @@ import time
 from pathlib import Path
 
 from vla_accel_ros.models.family import family_names
+from vla_accel_ros.cli import command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bundle", help="create, import and inspect model bundles")
+    p = command(sub, "bundle", "create, import and inspect model bundles")
     bsub = p.add_subparsers(dest="bundle_command", metavar="ACTION", required=True)
 
-    c = bsub.add_parser("create-demo", help="write a random-weight demo bundle")
+    c = command(
+        bsub, "create-demo", "write a random-weight demo bundle", "vla-accel bundle create-demo --family flow --size small --out B_flow"
+    )
     c.add_argument("--family", choices=family_names(), required=True)
     c.add_argument("--size", choices=("tiny", "small"), default="tiny")
     c.add_argument("--out", required=True, help="bundle directory to write")
@@ -25,12 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--lm-type", choices=("llama", "qwen2"), default="llama")
     c.set_defaults(func=_create)
 
-    m = bsub.add_parser(
-        "import", help="write a bundle from a LeRobot checkpoint (SmolVLA, pi0; offline)",
-        description="Reads LeRobot's saved policy (config.json and model.safetensors; SmolVLA: the pre/post-processor "
+    m = command(
+        bsub, "import", "write a bundle from a LeRobot checkpoint (SmolVLA, pi0; offline)",
+        "vla-accel bundle import --lerobot ../shared/fixtures/smolvla-lerobot/policy --out models/smolvla-fixture",
+        details="Reads LeRobot's saved policy (config.json and model.safetensors; SmolVLA: the pre/post-processor "
         "JSON and statistics, and the SmolVLM directory its vlm_model_name names; pi0: PaliGemma's tokenizer) and "
-        "writes a bundle of the family its config.json type names. Example: vla-accel bundle import --lerobot "
-        "../shared/fixtures/smolvla-lerobot/policy --out models/smolvla-fixture",
+        "writes a bundle of the family its config.json type names.",
     )  # fmt: skip
     m.add_argument("--lerobot", required=True, metavar="DIR", help="LeRobot's saved policy directory")
     m.add_argument(
@@ -50,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--instruction", default="", help="the task used when the policy node is given none")
     m.set_defaults(func=_import)
 
-    i = bsub.add_parser("inspect", help="print a bundle's configuration")
+    i = command(bsub, "inspect", "print a bundle's configuration", "vla-accel bundle inspect bundles/transfer_cube-flow")
     i.add_argument("path")
     i.set_defaults(func=_inspect)
 

@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 
 from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.cli import command
 
 
 def register_bench(bsub: argparse._SubParsersAction) -> None:
-    p = bsub.add_parser(
-        "cache",
-        help="token cache (VLA-Cache) vs full recompute: obs-to-action latency incl. selection, reuse, deviation",
+    p = command(
+        bsub, "cache", "token cache (VLA-Cache) vs full recompute: obs-to-action latency incl. selection, reuse, deviation",
+        "vla-accel bench cache --bundle B_flow --frames 40",
     )
     p.add_argument("--bundle", required=True)
     p.add_argument("--frames", type=int, default=40, help="timed frames (after the warm-up)")

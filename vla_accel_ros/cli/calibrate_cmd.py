@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vla_accel_ros.cli import command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "calibrate-reasoning",
-        help="per-word reuse thresholds of a reasoning bundle (memo.mode=calibrated) from recorded frames",
-        description="Decodes the reasoning of every --frame-stride-th observation of the bags greedily and writes, "
+    p = command(
+        sub, "calibrate-reasoning", "per-word reuse thresholds of a reasoning bundle (memo.mode=calibrated) from recorded frames",
+        "vla-accel calibrate-reasoning --bundle bundles/transfer_cube-ar-reasoning --bag artifacts/bags/transfer_cube",
+        details="Decodes the reasoning of every --frame-stride-th observation of the bags greedily and writes, "
         "per reasoning word, the lowest probability the model gave it where it wrote it and its attention to the "
         "image relative to the average word. The policy loads the file at start-up (memo.calibration; default "
         "reasoning_calibration.json next to the bundle's weights).",

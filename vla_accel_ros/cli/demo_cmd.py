@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from vla_accel_ros.models.family import get_family
+from vla_accel_ros.cli import command
 
 DEMO_MODES = "transformers,baseline,cache,cache-max-reuse,prune,cache+prune"
 DRAFT_DEMO_MODES = ("draft", "cache+prune+draft")  # added for a token-decoding bundle (ar) with the default --modes
@@ -33,7 +34,7 @@ EVAL_MODES = "baseline,cache,cache+prune"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the main job: bundles, sim bag, replay benchmark, closed loop")
+    p = command(sub, "demo", "the main job: bundles, sim bag, replay benchmark, closed loop (writes artifacts/)", "vla-accel demo")
     p.add_argument(
         "--size", choices=("trained", "tiny", "small"), default="trained",
         help="trained: the shipped bundles/transfer_cube-{ar,flow,ar-reasoning}; tiny / small: random-weight demo bundles",

@@ -7,12 +7,14 @@ import shlex
 import sys
 from pathlib import Path
 
+from vla_accel_ros.cli import command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "eval",
-        help="closed-loop success, latency and open-loop error per mode in the ALOHA simulator (same seeds)",
-        description="Runs --episodes simulated episodes per mode on the same seeds, through the policy the policy "
+    p = command(
+        sub, "eval", "closed-loop success, latency and open-loop error per mode in the ALOHA simulator (same seeds)",
+        "vla-accel eval --bundle bundles/transfer_cube-flow --episodes 20 --modes baseline,cache,cache+prune --report R_eval",
+        details="Runs --episodes simulated episodes per mode on the same seeds, through the policy the policy "
         "node builds and the controller's chunk scheduler and safety filter, on simulated time; writes "
         "report.json, report.md and plots into --report.",
     )

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from vla_accel_ros.cli import command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "export",
-        help="export the engine's static-shape steps (with the vla_accel custom ops) for TensorRT and other runtimes",
-        description="Write <step>.pt2 (torch.export archives: JSON graph, raw weights) and export.json into --out; "
+    p = command(
+        sub, "export", "export the engine's static-shape steps (with the vla_accel custom ops) for TensorRT and other runtimes",
+        "vla-accel export --bundle bundles/transfer_cube-flow --out steps --precision bf16",
+        details="Writes <step>.pt2 (torch.export archives: JSON graph, raw weights) and export.json into --out; "
         "each program is checked against the eager engine (max |delta| of the hidden states).",
     )
     p.add_argument("--bundle", required=True)

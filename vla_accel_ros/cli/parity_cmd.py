@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from vla_accel_ros.cli import command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "parity",
-        help="compare the engine with the reference forward (or a reference implementation's outputs); exit 1 beyond tolerance",
-        description="Examples: vla-accel parity --bundle bundles/transfer_cube-flow --accel cache;  "
-        "vla-accel parity --bundle B --reference ../shared/fixtures/smolvla-lerobot",
-    )
+    p = command(
+        sub, "parity",
+        "compare the engine with the reference forward (or a reference implementation's outputs); exit 1 beyond tolerance",
+        "vla-accel parity --bundle bundles/transfer_cube-flow --accel cache\n"
+        "  vla-accel parity --bundle B --reference ../shared/fixtures/smolvla-lerobot",
+    )  # fmt: skip
     p.add_argument("--bundle", required=True)
     p.add_argument("--tolerance", type=float, default=None, help="default 1e-3 (1e-4 with --reference)")
     p.add_argument("--accel", default="none", help="acceleration whose path is gated (none, cache)")

@@ -12,12 +12,14 @@ import signal
 import time
 from pathlib import Path
 
+from vla_accel_ros.cli import command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "record",
-        help="record topics of a running ROS graph to a rosbag2 bag (MCAP; no rosbag2 needed)",
-        description="Subscribes to the topics of a live graph (the robot or `vla-accel bringup --sim`) and writes "
+    p = command(
+        sub, "record", "record topics of a running ROS graph to a rosbag2 bag (MCAP; no rosbag2 needed)",
+        "vla-accel record --out artifacts/bags/live --duration 20",
+        details="Subscribes to the topics of a live graph (the robot or `vla-accel bringup --sim`) and writes "
         "them to a new bag. Needs rclpy. Stop with --duration or Ctrl-C.",
     )
     p.add_argument("--out", type=Path, required=True, metavar="BAG", help="bag directory to create (must not exist)")

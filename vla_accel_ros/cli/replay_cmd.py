@@ -6,13 +6,16 @@ import argparse
 import shlex
 from pathlib import Path
 
+from vla_accel_ros.cli import command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     # No package imports here: every `vla-accel` call registers this (torch loads only on use).
-    p = sub.add_parser(
-        "replay",
-        help="benchmark modes (baseline, cache, transformers, ...) on a recorded bag: latency, speedup, deviation",
-        description="Feed a bag's frames through the policy in every mode, interleaved per frame, and write "
+    p = command(
+        sub, "replay", "benchmark modes (baseline, cache, transformers, ...) on a recorded bag: latency, speedup, deviation",
+        "vla-accel replay artifacts/bags/transfer_cube --bundle bundles/transfer_cube-flow "
+        "--modes baseline,cache,cache+prune@auto --report R",
+        details="Feeds a bag's frames through the policy in every mode, interleaved per frame, and writes "
         "report.json, report.md and PNG plots into --report.",
     )
     p.add_argument("bag", help="rosbag2 bag directory, or a single .mcap / .db3 file")

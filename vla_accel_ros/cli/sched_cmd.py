@@ -9,6 +9,7 @@ from pathlib import Path
 
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.bench.scheduler_sim import PRESETS, SyntheticFlowPolicy, constant_latency, preset, simulate
+from vla_accel_ros.cli import command
 
 _COLUMNS = (  # header, SimResult -> value, format
     ("disc max", lambda r: r.metrics.boundary_disc_max, "{:.4f}"),
@@ -24,10 +25,10 @@ _COLUMNS = (  # header, SimResult -> value, format
 
 
 def register_bench(bsub: argparse._SubParsersAction) -> None:
-    p = bsub.add_parser(
-        "scheduler",
-        help="compare action-chunk scheduling modes on a simulated clock",
-        description="Runs a synthetic flow policy (smooth trajectory, per-chunk errors) through the "
+    p = command(
+        bsub, "scheduler", "compare action-chunk scheduling modes on a simulated clock",
+        "vla-accel bench scheduler --latency-ms 60 120 240",
+        details="Runs a synthetic flow policy (smooth trajectory, per-chunk errors) through the "
         "scheduler in every mode on the same simulated run and prints boundary discontinuity, jerk, "
         "holding, stale drops and effective control rate side by side. Units: rad, rad/s^3.",
     )

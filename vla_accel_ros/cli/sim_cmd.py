@@ -7,12 +7,17 @@ import sys
 import time
 from pathlib import Path
 
+from vla_accel_ros.cli import command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sim", help="the simulated ALOHA (gym-aloha, MuJoCo) without ROS")
+    p = command(sub, "sim", "the simulated ALOHA (gym-aloha, MuJoCo) without ROS")
     ssub = p.add_subparsers(dest="sim_command", metavar="ACTION", required=True)
 
-    r = ssub.add_parser("record", help="record scripted demonstrations to a rosbag2 bag (MCAP or sqlite3)")
+    r = command(
+        ssub, "record", "record scripted demonstrations to a rosbag2 bag (MCAP or sqlite3)",
+        "vla-accel sim record --task transfer_cube --episodes 30 --seed 0 --out data/tc0",
+    )
     r.add_argument("--task", choices=("transfer_cube", "insertion"), required=True)
     r.add_argument("--episodes", type=int, default=1, help="episodes to record (episode i uses seed S+i)")
     r.add_argument("--out", type=Path, required=True, help="bag directory to create (must not exist)")

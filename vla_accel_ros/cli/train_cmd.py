@@ -9,16 +9,17 @@ import time
 from pathlib import Path
 
 from vla_accel_ros.models.family import family_names
+from vla_accel_ros.cli import command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     from vla_accel_ros.train.trainer import TrainConfig
 
     d = TrainConfig()
-    p = sub.add_parser(
-        "train",
-        help="train a bundle by behaviour cloning on recorded demonstrations (e.g. `vla-accel sim record`)",
-        description="Reads every episode of the bags through the policy node's observation rule, holds out the "
+    p = command(
+        sub, "train", "train a bundle by behaviour cloning on recorded demonstrations (e.g. `vla-accel sim record`)",
+        "vla-accel train --family flow --data data/tc0 data/tc30 --out models/transfer_cube-flow --size mini --epochs 12",
+        details="Reads every episode of the bags through the policy node's observation rule, holds out the "
         "last --val-episodes episodes, computes the bundle's normalization statistics from the rest, trains, "
         "and writes an ordinary bundle (config.json + model.safetensors) to --out, with train_log.jsonl and a "
         "resumable checkpoint/ beside it.",
