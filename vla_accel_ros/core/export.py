@@ -9,8 +9,8 @@ the model's weights as constants and the KV cache as inputs written in place:
     -> hidden [1, n, H] (final norm applied)
 
 The graph keeps ``vla_accel::write_kv`` and ``vla_accel::attend`` as single nodes (the custom
-ops of ``vla_accel_ros.kernels.ops``), which is where a TensorRT plugin replaces them (README,
-"The TensorRT path"). A saved program is torch.export's ``.pt2`` archive: a zip of the graph in
+ops of ``vla_accel_ros.kernels.ops``), which is where a TensorRT plugin replaces them
+(docs/runtime.md, "The TensorRT path"). A saved program is torch.export's ``.pt2`` archive: a zip of the graph in
 JSON and the weights as raw tensor bytes (no pickle: the example inputs, which it would store
 with torch.save, are dropped); loading it needs this package imported so
 the two ops are registered.

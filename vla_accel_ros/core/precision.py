@@ -47,7 +47,7 @@ class FamilyPrecision(Protocol):
     """What a model family (a plug-in of ``vla_accel_ros.models``) tells the precision config.
 
     ``precision_defaults``: component -> what ``auto`` resolves to, measured per family (the
-    README's "Runtime" section); components the family does not have are absent and always run
+    measurements of docs/runtime.md); components the family does not have are absent and always run
     fp32. ``precision_fallbacks``: when the parity gate refuses ``auto``'s configuration on a
     bundle, these are tried next, in order (each takes more components back to fp32; components
     not set to ``auto`` keep their value): a trained model can be more sensitive than the

@@ -2,7 +2,7 @@
 
 Neither TensorRT nor Torch-TensorRT can be installed on the machines this package is developed
 and tested on, so this module has never run: it is the registration a user with TensorRT calls
-before compiling the exported step graphs (``vla-accel export``; README, "The TensorRT path").
+before compiling the exported step graphs (``vla-accel export``; docs/runtime.md, "The TensorRT path").
 It uses Torch-TensorRT's automatic plugin generation (TensorRT >= 10.7 Quick Deployable
 Plugins): from a registered torch custom op and its fake implementation it generates the
 plugin's shape function and a JIT implementation that calls the op's own kernel (today the

@@ -479,7 +479,7 @@ class ArFamily(Family):
 
     name = "ar"
     # Measured on the small demo bundles on a 2-core Xeon (AMX, AVX512-BF16, VNNI), fastest
-    # obs-to-action within the gate's default limits (README, "Runtime"). The shipped ar bundle
+    # obs-to-action within the gate's default limits (docs/runtime.md). The shipped ar bundle
     # flips 25% of its tokens with its LM in int8 or hybrid: the gate then takes the LM to fp32.
     precision_defaults = {"vision": "bf16", "projector": "bf16", "lm": "hybrid", "heads": "fp32"}
     precision_fallbacks = ({"lm": "fp32"}, {c: "fp32" for c in COMPONENTS})

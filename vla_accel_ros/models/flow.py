@@ -397,7 +397,7 @@ class FlowFamily(Family):
     """``flow`` bundles: a SmolVLA / pi0-style flow-matching policy (the package's own, trained here)."""
 
     name = "flow"
-    # Measured on the small demo bundles (README, "Runtime"); the gate takes the expert, then
+    # Measured on the small demo bundles (docs/runtime.md); the gate takes the expert, then
     # the LM too, back to fp32 where a bundle does not tolerate bf16.
     precision_defaults = {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"}
     precision_fallbacks = ({"expert": "fp32"}, {"lm": "fp32", "expert": "fp32"}, {c: "fp32" for c in COMPONENTS})

@@ -42,7 +42,7 @@ from vla_accel_ros.ros.conversions import chunk_from_msg, motion_to_msg, request
 from vla_accel_ros.ros.params import ConfigParameters
 
 # Fixed when the scheduler is built (its timer, latency tracker and metrics): read-only here.
-_READ_ONLY = (
+READ_ONLY = (
     "scheduler.control_rate_hz",
     "scheduler.latency_window",
     "scheduler.latency_percentile",
@@ -61,7 +61,7 @@ def _check(cfg: ControllerConfig) -> None:
 class ActionControllerNode(Node):
     def __init__(self, node_name: str = "action_controller_node", **kwargs) -> None:
         super().__init__(node_name, **kwargs)
-        self.params = ConfigParameters(self, ControllerConfig, read_only=_READ_ONLY, validate=_check)
+        self.params = ConfigParameters(self, ControllerConfig, read_only=READ_ONLY, validate=_check)
         cfg: ControllerConfig = self.params.config
         self.cfg = cfg
         self.control = ControlLoop(cfg)

@@ -60,13 +60,16 @@ from vla_accel_ros.ros.params import ConfigParameters
 CLOSE_WAIT_S = 3.0
 
 
+# policy.seed seeds the noise generator once, at load: read-only here.
+READ_ONLY = ("policy.seed",)
+
+
 class PolicyNode(Node):
     def __init__(self, node_name: str = "policy_node", **kwargs) -> None:
         super().__init__(node_name, **kwargs)
         self.policy = None
         self._spec: BundleSpec | None = None  # the bundle's config, for checks before the model loads
-        # policy.seed seeds the noise generator once, at load: read-only here.
-        self.params = ConfigParameters(self, PolicyNodeConfig, read_only=("policy.seed",), validate=self._check)
+        self.params = ConfigParameters(self, PolicyNodeConfig, read_only=READ_ONLY, validate=self._check)
         cfg: PolicyNodeConfig = self.params.config
         try:
             self._spec = read_spec(cfg.bundle) if cfg.bundle else None
