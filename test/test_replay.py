@@ -80,7 +80,7 @@ def test_report_json_schema_and_values(replays, sim_bag, tiny_bundles, family: s
         base_lat = rep["modes"]["baseline"]["latency_ms"]
         assert m["speedup_vs_baseline"] == pytest.approx(base_lat["p50"] / lat["p50"]), name
         per_frame = np.asarray(rep["modes"]["baseline"]["per_frame"]["latency_ms"]) / np.asarray(m["per_frame"]["latency_ms"])
-        assert m["speedup_paired_median"] == pytest.approx(float(np.median(per_frame)), rel=1e-3), name
+        assert m["speedup_paired_median"] == pytest.approx(float(np.median(per_frame)), rel=1e-2), name  # rounded to 1 us
         assert 0.0 <= m["reuse_fraction"]["mean"] <= 1.0
         assert m["flops"]["estimate"] is True and m["flops"]["gflops_per_frame"]["mean"] > 0
         assert "total" in m["stages_ms"] and "prefill" in m["stages_ms"]
