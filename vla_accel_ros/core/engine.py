@@ -210,14 +210,15 @@ class _Scratch:
     valid for one engine, cache layout and set of rows, else built again.
 
     Measured (small flow bundle, ``cache+prune@auto`` with the max-reuse cache settings, 38
-    frames of a 40-step scripted bag, one thread, policies interleaved per frame; three runs):
-    keeping each layer's windows across the Euler steps (``windows``) makes the denoise 3-4%
-    faster (2.9%, 4.3%, 3.1%), so it stays. Two things the engine kept before were measured and
-    dropped as not worth their code: the readable keys a plan gathered, updated in place with its
-    own rows while nothing else wrote the cache (the denoise 1.8%, -0.3% and 0.5% faster with
-    them: 0.7% on average), and a bf16 attention output handed to a bf16 ``o_proj`` as it is
-    (``takes_bf16``: 0.2%, 1.3%, 1.8%); actions were identical in every run. How: docs/results.md,
-    "Engine plan memo"."""
+    frames of a 40-step scripted bag, one thread, policies interleaved per frame; five runs):
+    keeping each layer's windows across the Euler steps (``windows``) makes the denoise 2.8%
+    faster on average (2.9%, 4.3%, 3.1%, 2.1%, 1.8%), so it stays. Two things the engine kept
+    before were measured and dropped as not worth their code (about 60 lines of flags, and the
+    first version of the kept keys had three bugs a review found): the readable keys a plan
+    gathered, updated in place with its own rows while nothing else wrote the cache (the denoise
+    1.8%, -0.3%, 0.5%, 1.3%, 1.0% faster with them: 0.9% on average), and a bf16 attention output
+    handed to a bf16 ``o_proj`` as it is (``takes_bf16``: 0.2%, 1.3%, 1.8%, 1.6%, 1.2%: 1.2%);
+    actions were identical in every run. How: docs/results.md, "Engine plan memo"."""
 
     engine: "Engine"
     layout: int  # the cache's layout_version
