@@ -102,9 +102,17 @@ def main() -> int:
     # LeRobot calls its VLM-with-expert's forward directly (no module hooks fire there): the
     # prefix pass is what runs between the last camera's connector and the first action
     # embedding, the denoising what runs from there to the end of predict_action_chunk.
+    # (A hook that returns a value replaces the module's input or output: these return None.)
     marks: dict[str, float] = {}
-    vm.connector.register_forward_hook(lambda *_: marks.__setitem__("vision_end", time.perf_counter()))
-    policy.model.action_in_proj.register_forward_pre_hook(lambda *_: marks.setdefault("denoise_start", time.perf_counter()))
+
+    def vision_end(*_) -> None:
+        marks["vision_end"] = time.perf_counter()
+
+    def denoise_start(*_) -> None:
+        marks.setdefault("denoise_start", time.perf_counter())
+
+    vm.connector.register_forward_hook(vision_end)
+    policy.model.action_in_proj.register_forward_pre_hook(denoise_start)
     exchange = Path(args.exchange)
     import lerobot
     import transformers
