@@ -387,8 +387,8 @@ class SmolVLAFamily(LeRobotFamily):
 
     name = "smolvla"
     # Vision is most of a SmolVLA chunk (SigLIP at 512 px, 1,024 patches per camera): its linear
-    # layers in int8 (VNNI) are the largest saving measured on the full-size model (README,
-    # "SmolVLA against LeRobot"); the gate takes the vision tower back to bf16 where a bundle does
+    # layers in int8 (VNNI) are the largest saving measured on the full-size model (docs/models.md,
+    # "SmolVLA against LeRobot, side by side"); the gate takes the vision tower back to bf16 where a bundle does
     # not tolerate int8 within precision.gate_flow_max_over_std, then the decoders to fp32.
     precision_defaults = {"vision": "int8", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"}
     precision_fallbacks = (
