@@ -37,6 +37,24 @@ def test_episodes_are_read_through_the_observation_rule(episodes):
         assert 0.0 <= e.states[0, 6] <= 1.2
 
 
+def test_sparse_frames_take_their_actions_from_every_tick(tmp_path):
+    """A bag rendered every 3rd tick: each frame knows its tick, and its chunk is the next
+    actions of every tick (not of the next frames)."""
+    from vla_accel_ros.cli import main as cli
+
+    bag = tmp_path / "sparse"
+    argv = ["sim", "record", "--task", "transfer_cube", "--episodes", "2", "--steps", "10", "--cameras", "top",
+            "--height", "48", "--width", "64", "--render-every", "3", "--out", str(bag)]  # fmt: skip
+    assert cli(argv) == 0
+    eps = read_episodes([bag], ("cam_high",), 224, progress=False)
+    assert [e.steps.tolist() for e in eps] == [[0, 3, 6, 9], [1, 4, 7]]  # the phase shifts per episode
+    assert all(e.actions.shape == (10, 14) and e.states.shape == (len(e), 14) for e in eps)
+    b = ChunkDataset(eps, chunk_size=4).batch(np.array([1, 5]))  # episode 0 frame 1, episode 1 frame 1
+    np.testing.assert_array_equal(b.actions[0].numpy(), eps[0].actions[3:7])
+    np.testing.assert_array_equal(b.actions[1].numpy(), eps[1].actions[4:8])
+    assert b.valid.all()
+
+
 def test_chunks_pad_past_the_episode_end(episodes):
     ds = ChunkDataset(episodes, chunk_size=5, stride=4)
     assert len(ds) == EPISODES * 3  # frames 0, 4, 8 of each episode
