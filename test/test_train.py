@@ -117,6 +117,23 @@ def test_train_cli_bundle_loads_passes_parity_and_resumes_exactly(demo_bag, tmp_
     assert chunk.actions.shape == (4, 14) and np.isfinite(chunk.actions).all()
 
 
+def test_train_cli_image_grid_and_time_budget(demo_bag, tmp_path, capsys):
+    """--image-size / --patch-size set the token grid (a bundle every path loads, parity gate
+    passed); --max-minutes stops at a checkpoint that --resume continues."""
+    from vla_accel_ros.models.factory import load_policy
+
+    out = tmp_path / "grid"
+    common = ["train", "--family", "flow", "--size", "tiny", "--data", str(demo_bag), "--batch", "4",
+              "--val-episodes", "1", "--chunk-size", "4", "--threads", "1", "--no-progress", "--out", str(out),
+              "--image-size", "112", "--patch-size", "28", "--epochs", "2"]  # fmt: skip
+    assert main(common + ["--max-minutes", "1e-6"]) == 0
+    assert "stopped after 1e-06 min at step 1 of 6" in capsys.readouterr().err
+    policy = load_policy(out)
+    assert policy.spec.grid == 4 and policy.spec.image_size == 112 and policy.parity_report.passed
+    assert main(common + ["--resume"]) == 0
+    assert "resumed at step 1 of 6" in capsys.readouterr().err
+
+
 def _marker_bag(path, markers: dict[int, int], ticks: int = 6):
     """A small bag: a frame, both joint states and an action per 20 ms tick; ``markers``: tick
     -> episode index announced there (with an instruction)."""
