@@ -119,7 +119,7 @@ def test_train_cli_bundle_loads_passes_parity_and_resumes_exactly(demo_bag, tmp_
 
 def test_train_cli_image_grid_and_time_budget(demo_bag, tmp_path, capsys):
     """--image-size / --patch-size set the token grid (a bundle every path loads, parity gate
-    passed); --max-minutes stops at a checkpoint that --resume continues."""
+    passed); --max-minutes and --max-steps stop at a checkpoint that --resume continues."""
     from vla_accel_ros.models.factory import load_policy
 
     out = tmp_path / "grid"
@@ -130,8 +130,11 @@ def test_train_cli_image_grid_and_time_budget(demo_bag, tmp_path, capsys):
     assert "stopped after 1e-06 min at step 1 of 6" in capsys.readouterr().err
     policy = load_policy(out)
     assert policy.spec.grid == 4 and policy.spec.image_size == 112 and policy.parity_report.passed
+    assert main(common + ["--resume", "--max-steps", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed at step 1 of 6" in err and "stopped at --max-steps 3 at step 3 of 6" in err
     assert main(common + ["--resume"]) == 0
-    assert "resumed at step 1 of 6" in capsys.readouterr().err
+    assert "resumed at step 3 of 6" in capsys.readouterr().err
 
 
 def _marker_bag(path, markers: dict[int, int], ticks: int = 6):

@@ -56,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning", default="", metavar="TASK",
                    help="ar: train a reasoning policy on TASK's templated reasoning (e.g. transfer_cube)")
     p.add_argument("--init-from", default="", metavar="BUNDLE", help="start from this bundle's weights (same module shapes)")
+    p.add_argument("--max-steps", type=int, default=d.max_steps,
+                   help="stop at a checkpoint at this optimizer step (0: no limit); --resume continues")
     p.add_argument("--max-minutes", type=float, default=d.max_minutes,
                    help="stop at a checkpoint after this many minutes (0: no limit); --resume continues")
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
@@ -70,7 +72,7 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(
         family=args.family, size=args.size, cameras=tuple(c.strip() for c in args.cameras.split(",") if c.strip()),
-        image_size=args.image_size, patch_size=args.patch_size, max_minutes=args.max_minutes,
+        image_size=args.image_size, patch_size=args.patch_size, max_steps=args.max_steps, max_minutes=args.max_minutes,
         chunk_size=args.chunk_size, epochs=args.epochs, batch_size=args.batch, lr=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
         val_episodes=args.val_episodes, shift=args.shift, bf16=not args.fp32, seed=args.seed, threads=args.threads,

@@ -33,7 +33,7 @@ CHECKPOINT_DIR = "checkpoint"
 LOG_FILE = "train_log.jsonl"
 PRESET_IMAGE_SIZE = 224  # the image size of the families' size presets (models.demo)
 # Settings a resumed run may change (how long and where it runs, not what it learns).
-RUN_SETTINGS = ("epochs", "threads", "device", "checkpoint_every", "max_minutes")
+RUN_SETTINGS = ("epochs", "threads", "device", "checkpoint_every", "max_steps", "max_minutes")
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,9 @@ class TrainConfig(Config):
         "", doc="ar: write the task's templated reasoning before the actions (a task name, e.g. transfer_cube; '': none)"
     )
     init_from: str = param("", doc="start from the weights of this bundle (same module shapes; '': random init)")
+    max_steps: int = param(
+        0, doc="stop at this optimizer step, at a checkpoint (0: run every epoch); --resume goes on", range=(0, 10**9)
+    )
     max_minutes: float = param(
         0.0, doc="stop after this many minutes of training, at a checkpoint (0: run every epoch); --resume goes on",
         range=(0.0, 1e7),
@@ -303,10 +306,11 @@ class Trainer:
                     bar.set_postfix(epoch=epoch + 1, loss=f"{np.mean(losses[-50:]):.4f}")
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save_checkpoint()
-                    if cfg.max_minutes and time.perf_counter() - t0 > 60.0 * cfg.max_minutes:
+                    limit = self._limit_reached(t0)
+                    if limit:
                         self.save_checkpoint()
-                        bar.write(f"stopped after {cfg.max_minutes:g} min at step {self.step} of {self.total_steps} "
-                                  "(--resume goes on)", file=sys.stderr)  # fmt: skip
+                        bar.write(f"stopped {limit} at step {self.step} of {self.total_steps} (--resume goes on)",
+                                  file=sys.stderr)  # fmt: skip
                         return self._result(t0)
                 val = self.validate()
                 entry = {"epoch": epoch + 1, "step": self.step, "train_loss": float(np.mean(losses)) if losses else None,
@@ -321,6 +325,15 @@ class Trainer:
             bar.close()
             log.close()
         return self._result(t0)
+
+    def _limit_reached(self, t0: float) -> str:
+        """Why this run stops here ('' : it goes on): --max-steps or --max-minutes."""
+        cfg = self.cfg
+        if cfg.max_steps and self.step >= cfg.max_steps:
+            return f"at --max-steps {cfg.max_steps}"
+        if cfg.max_minutes and time.perf_counter() - t0 > 60.0 * cfg.max_minutes:
+            return f"after {cfg.max_minutes:g} min"
+        return ""
 
     def _result(self, t0: float) -> TrainResult:
         return TrainResult(
