@@ -74,6 +74,33 @@ $(STAMPS)/package: $(STAMPS)/msgs setup.py setup.cfg $(PKG_SOURCES)
 	rm -rf build *.egg-info
 	touch $@
 
+# Upstream ROS 2 Jazzy launch and CLI (launch, launch_ros, launch_testing, ros2cli: not on PyPI),
+# when ../shared/ros2-jazzy is beside the checkout (its README): the wheels, built unmodified from
+# the upstream jazzy branches, and composition_interfaces (which launch_ros imports) built from its
+# source with the rosidl pipeline and include-dir fix of msg/. test/test_ros2_launch*.py run
+# `ros2 launch` with them and skip without them.
+ROS2_JAZZY   ?= ../shared/ros2-jazzy
+ROS2_WHEELS  := $(sort $(wildcard $(ROS2_JAZZY)/wheels/*.whl))
+ROS2_SOURCES := $(shell find $(ROS2_JAZZY)/src -type f 2>/dev/null)
+ifneq ($(ROS2_WHEELS),)
+setup: $(STAMPS)/ros2-jazzy
+endif
+
+$(STAMPS)/ros2-jazzy: $(ROS2_WHEELS) $(ROS2_SOURCES) cmake/pypi_wheels.cmake cmake/pypi_wheels_project_include.cmake $(STAMPS)/deps
+	cd $(ROS2_JAZZY)/wheels && sha256sum --quiet -c SHA256SUMS
+	@# --no-deps: launch_ros declares ament_index_python, which the venv has as ros-jazzy-ament-index-python.
+	$(BIN)/pip install -q --no-deps --force-reinstall $(ROS2_WHEELS)
+	mkdir -p $(BUILD) && source $(BIN)/activate && export AMENT_PREFIX_PATH="$$VIRTUAL_ENV" && \
+	cmake -S $(ROS2_JAZZY)/src/composition_interfaces -B $(BUILD)/composition_interfaces -G Ninja \
+	  -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$$VIRTUAL_ENV" -DCMAKE_INSTALL_PREFIX="$$VIRTUAL_ENV" \
+	  -DBUILD_TESTING=OFF -DCMAKE_PROJECT_INCLUDE="$(CURDIR)/cmake/pypi_wheels_project_include.cmake" \
+	  -DPython3_EXECUTABLE="$$VIRTUAL_ENV/bin/python" > $(BUILD)/composition_interfaces-configure.log 2>&1 \
+	  || { cat $(BUILD)/composition_interfaces-configure.log; exit 1; }
+	$(BIN)/cmake --build $(BUILD)/composition_interfaces --target install > $(BUILD)/composition_interfaces-build.log 2>&1 \
+	  || { tail -50 $(BUILD)/composition_interfaces-build.log; exit 1; }
+	$(BIN)/python -c 'import launch_ros.actions, ros2cli, launch_testing, composition_interfaces.srv'
+	touch $@
+
 test: setup
 	$(BIN)/pytest -q
 

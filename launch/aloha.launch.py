@@ -6,23 +6,28 @@ Starts the graph that ``vla_accel_ros.ros.graph.describe`` returns, the same des
 (``config/aloha.yaml`` by default). Each node runs in its own process; observations travel
 camera -> policy on the ``observation`` topic. ``record:=true`` adds ``ros2 bag record -s mcap``
 of the graph's recording list (``vla_accel_ros.ros.graph.record_topics``, the same list
-``vla-accel record`` records by default).
+``vla-accel record`` records by default); where rosbag2 is not installed (no ``ros2 bag``), the
+package's own recorder node records the same topics into an MCAP bag that rosbag2 reads.
 """
+
+import importlib.util
+import os
+import time
 
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, ExecuteProcess, LogInfo, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
 
-from vla_accel_ros.ros.graph import PACKAGE, describe
+from vla_accel_ros.ros.graph import PACKAGE, RECORDER, describe
 
 ARGUMENTS = (
     ("params_file", "", "ROS 2 parameter file (empty: the package's config/aloha.yaml)"),
     ("bundle", "", "model bundle for policy_node (fits the camera node to its cameras and image size)"),
     ("sim", "false", "also start the simulated ALOHA (aloha_sim_node) and enable command output"),
     ("synthetic_camera", "false", "also start a synthetic camera + perfect arm (no robot, no simulator)"),
-    ("record", "false", "record the graph's topics with ros2 bag record -s mcap"),
-    ("record_output", "", "ros2 bag output directory (empty: rosbag2's default name)"),
+    ("record", "false", "record the graph's topics with ros2 bag record -s mcap (without rosbag2: the package's recorder)"),
+    ("record_output", "", "bag directory to create (empty: rosbag2's default name)"),
     ("namespace", "", "namespace of every node and of the graph's relative topics"),
     ("use_sim_time", "false", "nodes follow /clock"),
 )
@@ -64,13 +69,33 @@ def _launch_graph(context, *args, **kwargs):
             )
         )
     if graph.record:
-        # The topic list is graph.record_topics, the one `vla-accel record` uses by default.
-        out = arg("record_output")
+        actions += _recording(graph, arg("record_output"))
+    return actions
+
+
+def _recording(graph, out: str) -> list:
+    """``ros2 bag record`` of the recording list, or without rosbag2 the package's recorder node
+    (same topics, MCAP): never a ``ros2 bag`` that fails while the graph runs on unrecorded."""
+    topics = graph.resolved_record_topics()
+    if importlib.util.find_spec("ros2bag") is not None:
         cmd = ["ros2", "bag", "record", "-s", "mcap", *(["-o", out] if out else [])]
         if graph.use_sim_time:
             cmd.append("--use-sim-time")
-        actions.append(ExecuteProcess(cmd=[*cmd, *graph.resolved_record_topics()], output="screen"))
-    return actions
+        return [ExecuteProcess(cmd=[*cmd, *topics], output="screen")]
+    out = os.path.abspath(out or time.strftime("rosbag2_%Y_%m_%d-%H_%M_%S"))  # rosbag2's default name
+    return [
+        LogInfo(msg=f"vla_accel_ros: ros2 bag is not installed (no rosbag2): recording {len(topics)} topics with "
+                    f"the package's recorder ({RECORDER}) to {out} (MCAP)"),  # fmt: skip
+        Node(
+            package=PACKAGE,
+            executable="recorder",
+            name=RECORDER,
+            namespace=graph.namespace,
+            parameters=[{**graph.recorder_parameters(out), "use_sim_time": graph.use_sim_time}],
+            output="screen",
+            emulate_tty=True,
+        ),
+    ]
 
 
 def generate_launch_description() -> LaunchDescription:

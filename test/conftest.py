@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
+from pathlib import Path
 
 import pytest
+
+
+def _stale_files() -> list[str]:
+    """Source files of the package that differ from the installed copy the tests import (an
+    edit without ``make setup``): the suite would test old code."""
+    import vla_accel_ros
+
+    src = Path(__file__).resolve().parents[1] / "vla_accel_ros"
+    installed = Path(vla_accel_ros.__file__).parent
+    if installed.resolve() == src.resolve():
+        return []
+    digest = lambda p: hashlib.sha1(p.read_bytes()).digest()  # noqa: E731
+    return [str(p.relative_to(src.parent)) for p in sorted(src.rglob("*.py")) if "__pycache__" not in p.parts
+            and p.name != "__init__.py" and not ((installed / p.relative_to(src)).is_file()
+                                                 and digest(installed / p.relative_to(src)) == digest(p))]  # fmt: skip
+
+
+def pytest_sessionstart(session):
+    stale = _stale_files()
+    if stale:
+        pytest.exit(
+            f"the installed vla_accel_ros is older than the source ({', '.join(stale[:5])}"
+            f"{' ...' if len(stale) > 5 else ''}): run `make setup` (make test does) before pytest",
+            returncode=2,
+        )
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 # A suite started in a script's background inherits SIGINT ignored, and so would every process
@@ -67,10 +94,46 @@ def ros_params_file(tmp_path_factory):
 
     import yaml
 
+    from vla_accel_ros.core.params_file import node_section
+
     src = Path(__file__).resolve().parents[1] / "config" / "aloha.yaml"
     params = yaml.safe_load(src.read_text())
-    params["policy_node"]["ros__parameters"]["policy"]["parity_check"] = False
-    params["action_controller_node"]["ros__parameters"]["safety"]["start_enabled"] = True
+    node_section(params, "policy_node")["policy"]["parity_check"] = False
+    node_section(params, "action_controller_node")["safety"]["start_enabled"] = True
     out = tmp_path_factory.mktemp("ros") / "aloha_test.yaml"
     out.write_text(yaml.safe_dump(params))
     return out
+
+
+@pytest.fixture(scope="session")
+def colcon_install(tmp_path_factory):
+    """``colcon build --packages-select vla_accel_ros`` of a copy of the source tree in a fresh
+    workspace, this venv's ROS 2 wheels as the underlay (as the Makefile's msg build): the
+    install space (``install/``), built once per session (test_colcon_build, test_ros2_launch*)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ros2_cli  # test/ros2_cli.py
+
+    colcon = shutil.which("colcon", path=str(Path(sys.executable).parent))
+    assert colcon, "colcon is not installed in this venv (make setup installs requirements-ros.txt)"
+    ws = tmp_path_factory.mktemp("colcon_ws")
+    pkg = ws / "src" / "vla_accel_ros"
+    pkg.mkdir(parents=True)
+    repo = Path(__file__).resolve().parents[1]
+    for name in ("CMakeLists.txt", "package.xml", "cmake", "msg", "vla_accel_ros", "kernels", "launch", "config", "resource"):
+        src = repo / name
+        if src.is_dir():
+            shutil.copytree(src, pkg / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(src, pkg / name)
+    prefix = Path(sys.executable).parents[1]
+    cmd = [colcon, "build", "--packages-select", "vla_accel_ros", "--cmake-args", f"-DCMAKE_PREFIX_PATH={prefix}",
+           "-DBUILD_TESTING=OFF", f"-DPython3_EXECUTABLE={sys.executable}"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ws, env=ros2_cli.underlay_env(), capture_output=True, text=True, timeout=900)
+    log = ws / "log" / "latest_build" / "vla_accel_ros" / "stdout_stderr.log"
+    detail = log.read_text()[-4000:] if log.is_file() else out.stdout[-4000:] + out.stderr[-2000:]
+    assert out.returncode == 0, f"colcon build failed:\n{detail}"
+    return ws / "install"

@@ -8,6 +8,22 @@ import random
 import time
 
 
+# One ALOHA follower arm as its JointState names it, at the start pose (rad; fingers in m).
+ARM = ["waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper", "left_finger", "right_finger"]
+START = [0.0, -0.96, 1.16, 0.0, -0.3, 0.0, 1.1, 0.05, -0.05]
+
+
+def publish_joint_states(node, publishers) -> None:
+    """One JointState per arm publisher, both arms at the start pose, stamped with ``node``'s clock."""
+    from sensor_msgs.msg import JointState
+
+    now = node.get_clock().now().to_msg()
+    for pub in publishers:
+        msg = JointState(name=ARM, position=START)
+        msg.header.stamp = now
+        pub.publish(msg)
+
+
 def wait_for(cond, timeout: float, what: str = "condition") -> None:
     """Poll ``cond`` until it holds; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -85,7 +85,7 @@ def test_samples_follow_ticks_and_episodes(tmp_path: Path, sim_frames) -> None:
         samples = list(r.samples(SyncConfig()))
         eps = episodes(r)
         text = summary(r)
-    assert len(samples) == 7 and r.skipped == {"stale": 0, "skew": 0, "future": 0, "no_state": 0, "stale_state": 0}
+    assert len(samples) == 7 and r.skipped == {"stale": 0, "skew": 0, "future": 0, "repeated": 0, "no_state": 0, "stale_state": 0}
     for k, (s, f) in enumerate(zip(samples, sim_frames, strict=True)):
         obs = s.observation
         assert obs.stamp_ns == START_NS + k * DT_NS
@@ -127,7 +127,7 @@ def test_state_is_the_latest_at_or_before_the_frame(tmp_path: Path) -> None:
         samples = list(r.samples(SyncConfig(max_state_age_ms=100)))
         skipped = dict(r.skipped)
     # Frame 0 at t=0 comes before any joint state: no state; the frame at 600 ms: a stale state.
-    assert skipped == {"stale": 0, "skew": 0, "future": 0, "no_state": 1, "stale_state": 1}
+    assert skipped == {"stale": 0, "skew": 0, "future": 0, "repeated": 0, "no_state": 1, "stale_state": 1}
     assert [s.observation.stamp_ns // ms for s in samples] == [40 * i for i in range(1, 10)]
     for s in samples:
         t = s.observation.stamp_ns // ms

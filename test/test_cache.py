@@ -470,3 +470,28 @@ def test_photometric_and_view_changes_are_not_static(change):
     assert reused["default"] == 0
     if change == "exposure":
         assert reused["paper-rule"] == 256  # the cosine alone calls every halved patch static
+
+
+def test_a_token_of_several_patches_is_static_only_when_each_of_them_is():
+    """A SmolVLA-style token merges 4 x 4 vision patches (``static_patch``): one patch changed
+    inside it makes it non-static, although the token's whole block barely changes (its block
+    cosine stays above the threshold, which alone would have reused it)."""
+    import dataclasses
+
+    from vla_accel_ros.core.prefix import PrefixContext
+
+    lay = dataclasses.replace(_layout(image_size=112), grid=2, patch_size=56)  # 2 x 2 tokens of 56 px
+    frame = torch.from_numpy(_image(0)[:112, :112].copy())[None]
+    changed = frame.clone()
+    changed[0, 0:14, 0:14] = 255 - changed[0, 0:14, 0:14]  # one 14 px patch of token 0
+    ctx = lambda f: PrefixContext(layout=lay, frames=f, instruction="x", episode=0, stamp_ns=0, source="s")  # noqa: E731
+    cfg = CacheConfig(**MAX_REUSE, sim_threshold=0.97, max_relative_change=0.5)
+    whole = patchify(changed, 56), patchify(frame, 56)
+    assert float(cosine(whole[0], patch_norms(whole[0]), whole[1], patch_norms(whole[1]))[0, 0]) > 0.97
+    for static_patch, token0_static in ((0, True), (14, False)):
+        planner = TokenCachePlanner(cfg)
+        sub = dataclasses.replace(lay, static_patch=static_patch)
+        ctx = lambda f, sub=sub: PrefixContext(layout=sub, frames=f, instruction="x", episode=0, stamp_ns=0, source="s")  # noqa: E731
+        _step(planner, ctx(frame))
+        _step(planner, ctx(changed))
+        assert bool(planner.last.static[0, 0]) is token0_static and bool(planner.last.static[0, 1:].all())

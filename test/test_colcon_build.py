@@ -4,16 +4,15 @@ colcon from PyPI (colcon-core, colcon-ros, colcon-cmake, colcon-python-setup-py,
 colcon-package-selection; `make setup` installs them) builds the source tree as a ROS user's
 ``colcon build --packages-select vla_accel_ros`` would, with this venv's ROS 2 wheels as the
 underlay (``AMENT_PREFIX_PATH``, as the Makefile's msg build). The install space must hold the
-interfaces, the Python package, the node executables, the launch file and the config, and a
-node must start from it. What this cannot check without a ROS install: ``ros2 launch``,
-``ros2 run``, ``ros2 bag`` (see the README).
+interfaces, the Python package, the node executables, the launch file and the config,
+``setup.bash`` (colcon-bash) beside ``setup.sh``, and a node must start from it. ``ros2 launch``
+from this install space: test_ros2_launch.py.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,42 +21,21 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("CMakeLists.txt", "package.xml", "cmake", "msg", "vla_accel_ros", "kernels", "launch", "config", "resource")
-NODES = ("camera_node", "policy_node", "action_controller_node", "aloha_sim_node", "synthetic_sensors_node")
+import ros2_cli
+
+NODES = ("camera_node", "policy_node", "action_controller_node", "aloha_sim_node", "synthetic_sensors_node", "recorder")
 
 pytestmark = pytest.mark.ros
 
 
 @pytest.fixture(scope="module")
-def install(tmp_path_factory) -> Path:
-    colcon = shutil.which("colcon", path=str(Path(sys.executable).parent))
-    assert colcon, "colcon is not installed in this venv (make setup installs requirements-ros.txt)"
-    ws = tmp_path_factory.mktemp("colcon_ws")
-    pkg = ws / "src" / "vla_accel_ros"
-    pkg.mkdir(parents=True)
-    for name in SOURCES:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, pkg / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            shutil.copy2(src, pkg / name)
-    prefix = Path(sys.executable).parents[1]
-    cmd = [colcon, "build", "--packages-select", "vla_accel_ros", "--cmake-args", f"-DCMAKE_PREFIX_PATH={prefix}",
-           "-DBUILD_TESTING=OFF", f"-DPython3_EXECUTABLE={sys.executable}"]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ws, env=_env(), capture_output=True, text=True, timeout=900)
-    log = ws / "log" / "latest_build" / "vla_accel_ros" / "stdout_stderr.log"
-    detail = log.read_text()[-4000:] if log.is_file() else out.stdout[-4000:] + out.stderr[-2000:]
-    assert out.returncode == 0, f"colcon build failed:\n{detail}"
-    return ws / "install"
+def install(colcon_install) -> Path:
+    return colcon_install
 
 
 def _env() -> dict[str, str]:
-    """This venv's ROS 2 wheels as the underlay (the venv is the ament prefix), nothing else."""
-    prefix = Path(sys.executable).parents[1]
-    env = {**os.environ, "AMENT_PREFIX_PATH": str(prefix), "PATH": f"{prefix / 'bin'}:{os.environ['PATH']}"}
-    env.pop("PYTHONPATH", None)
-    return env
+    """This venv's ROS 2 wheels as the underlay (the venv is the ament prefix)."""
+    return ros2_cli.underlay_env()
 
 
 def _in_install(install: Path, command: str) -> list[str]:
@@ -71,6 +49,7 @@ def test_install_space_holds_executables_launch_and_config(install):
     for node in NODES:
         exe = lib / node
         assert exe.is_file() and os.access(exe, os.X_OK), f"{exe} missing or not executable"
+    assert (install / "setup.bash").is_file() and (install / "setup.sh").is_file()  # `source install/setup.bash`
     assert (share / "launch" / "aloha.launch.py").is_file()
     assert (share / "config" / "aloha.yaml").is_file()
     assert (share / "package.xml").is_file()

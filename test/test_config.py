@@ -59,3 +59,4 @@ def test_unknown_fields_and_replace():
         Outer().replace(count=10_000)
     assert [s.name for s in Outer.specs()][:2] == ["threshold", "count"]
     assert Outer.specs()[0].range == (0.0, 1.0)
+

@@ -8,7 +8,8 @@ from vla_accel_ros.core.robot.config import ALOHA_JOINT_NAMES, ControllerConfig,
 from vla_accel_ros.core.scheduling.control_loop import ControlLoop
 from vla_accel_ros.core.types import ActionChunk
 
-DT = 20_000_000  # 50 Hz
+MS = 1_000_000
+DT = 20 * MS  # 50 Hz
 T0 = 1_000_000_000
 POSE = np.array([0.0, -0.96, 1.16, 0.0, -0.3, 0.0, 0.5] * 2)
 
@@ -73,7 +74,7 @@ def test_no_command_without_a_clamp_reference():
 
 def test_a_clock_that_jumps_back_restarts_the_plan_and_may_ask_again():
     loop = _loop()
-    assert loop.tick(T0 + 50 * DT, measured=POSE, obs_stamp_ns=T0).request is not None
+    assert loop.tick(T0 + 3 * DT, measured=POSE, obs_stamp_ns=T0).request is not None
     out = loop.tick(T0 + DT, measured=POSE, obs_stamp_ns=T0)  # sim time restarted
     assert any("jumped back" in w for w in out.warnings)
     assert out.request is not None and out.request_id == 2  # the plan (and what was asked) is forgotten
@@ -156,6 +157,26 @@ def test_a_chunk_or_observation_stamped_in_the_future_is_dropped_and_later_ones_
     assert out.request is not None and out.request.stamp_ns == T0 + 2 * DT
     loop.tick(T0 + 3 * DT, measured=POSE, chunks=[_chunk(T0 + 2 * DT, 0.01)])
     assert loop.tick(T0 + 4 * DT, measured=POSE).command is not None and loop.chunks_in == 1
+
+
+def test_an_observation_older_than_max_age_is_not_requested_and_the_arm_holds_until_a_fresh_one():
+    """Issue 33: a camera went silent, so the newest observation the policy announced only ages;
+    past max_age_ms (100 ms) the controller asks for no chunk on it (counted once), holds on its
+    watchdog, and asks again as soon as a fresh observation is announced."""
+    loop = _loop(watchdog_periods=10)
+    loop.tick(T0, measured=POSE, chunks=[_chunk(T0, rows=25)])  # half a second planned
+    drops, requests = [], []
+    for k in range(1, 15):  # observation T0 is announced, then nothing newer
+        out = loop.tick(T0 + k * DT, measured=POSE, obs_stamp_ns=T0)
+        drops += out.drops
+        requests += [out.request] if out.request is not None else []
+    # The plan runs low at tick 6, when the observation is 120 ms old: no request, one drop.
+    assert not requests, [(r.issued_ns - r.stamp_ns) / MS for r in requests]
+    assert [d[0] for d in drops] == ["stale_observation"] and "max_age_ms 100" in drops[0][1]
+    assert loop.watchdog.tripped  # holding: no fresh chunk for 10 periods
+    fresh = T0 + 14 * DT
+    out = loop.tick(T0 + 15 * DT, measured=POSE, obs_stamp_ns=fresh)
+    assert out.request is not None and out.request.stamp_ns == fresh
 
 
 def test_the_watchdog_counts_time_not_ticks():

@@ -8,7 +8,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
+import pytest
+
 from vla_accel_ros.core.errors import ConfigError, ObservationError
+from vla_accel_ros.core.interrupt import Interrupted, interruptible
+from vla_accel_ros.core.interrupt import check as check_interrupt
+from vla_accel_ros.core.parity import fixed_observation
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig, RobotConfig
 from vla_accel_ros.core.robot.inference import InferenceWorker, Request
@@ -104,6 +109,25 @@ def test_a_request_for_a_forgotten_observation_is_served_by_the_newest_without_g
     job = w.next_job(0.0)
     assert job.stamp_ns == 1040 * MS and job.guidance is None and w.superseded == 1
     assert drops[-1] == "guidance_dropped"
+
+
+def test_an_observation_older_than_max_age_at_inference_start_is_not_used():
+    """Issue 33: the observation a request names (or the newest, continuous) is at most
+    max_age_ms (100 ms) old when its inference starts; an older one is counted and not used, a
+    request is served by a fresh newer observation when there is one, and the age at start is
+    a metric."""
+    w, policy, drops, _ = _worker()
+    w.channel.put(1000 * MS, _obs(1000 * MS))
+    assert w.infer(_job(w, 1000), lambda: 1150 * MS) is None  # 150 ms old when it would start
+    assert drops == ["stale_observation"] and not policy.seen
+    w.channel.put(1140 * MS, _obs(1140 * MS))  # a fresh one arrived meanwhile
+    served = w.infer(_job(w, 1000), lambda: 1150 * MS)
+    assert served.chunk.stamp_ns == 1140 * MS and w.superseded == 1 and drops == ["stale_observation"] * 2
+    values = w.health(failure="", alive=True, ready=True)[2]
+    assert values["observation age at start ms max"] == 10.0 and values["observation age at start ms p50"] == 10.0
+    c, cpolicy, cdrops, _ = _worker(trigger="continuous")
+    c.channel.put(1000 * MS, _obs(1000 * MS))
+    assert c.infer(c.next_job(0.0), lambda: 1101 * MS) is None and cdrops == ["stale_observation"] and not cpolicy.seen
 
 
 def test_the_state_half_of_the_rule_gates_inference():
@@ -245,3 +269,44 @@ def test_pipelined_trigger_streams_frames_and_publishes_each_chunk_when_complete
     w.reset_episode()
     w.apply(None)
     assert w.pipeline.in_flight == 0  # an episode reset forgets the frames in flight
+
+
+def test_stop_interrupts_the_inference_in_progress_between_layers_and_nothing_is_published():
+    """A node's Ctrl-C must not wait for a whole inference: stop() during infer ends run() at
+    the policy's next layer boundary (core.interrupt.check), with no chunk and no error."""
+    w, policy, drops, logs = _worker(trigger="continuous")
+    layers_after_stop = []
+
+    def slow_infer(obs, *, noise=None, guidance=None):
+        for layer in range(1000):  # a long forward: the engine checks before every layer
+            check_interrupt()
+            if layer == 3:
+                w.stop()  # Ctrl-C arrives mid-inference
+            if w.stopped:
+                layers_after_stop.append(layer)
+        raise AssertionError("the inference ran to its end")
+
+    policy.infer = slow_infer
+    published = []
+    w.channel.put(1000 * MS, _obs(1000 * MS))
+    thread = threading.Thread(target=w.run, args=(lambda: None, published.append, lambda: 1000 * MS))
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and published == [] and layers_after_stop == [3]
+    assert w.errors == 0 and not drops and not logs and w.running_s() == 0.0
+
+
+def test_a_real_policy_stops_at_a_layer_boundary_and_infers_again_after_a_reset(tiny_policies):
+    """The engine's layer loops and the vision tower's layers (transformers' own loop, through
+    forward pre-hooks) check: with the stop set, the tiny bundles' inference raises Interrupted
+    in the vision tower (the first stage); without it (or after a reset) they infer as before."""
+    for policy in tiny_policies.values():
+        obs = fixed_observation(policy.spec, 0)
+        stop = threading.Event()
+        stop.set()
+        with interruptible(stop), pytest.raises(Interrupted) as raised:
+            policy.infer(obs)
+        assert any(f.name == "_check_interrupt" for f in raised.traceback), "not stopped in the vision tower"
+        policy.reset()
+        with interruptible(threading.Event()):
+            assert np.isfinite(policy.infer(obs).actions).all()

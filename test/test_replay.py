@@ -66,6 +66,8 @@ def test_report_json_schema_and_values(replays, sim_bag, tiny_bundles, family: s
     assert rep["warmup"] == WARMUP
     assert rep["bag"]["path"] == str(sim_bag) and rep["bag"]["observations"] == EPISODES * STEPS
     assert [e["frames"] for e in rep["bag"]["episodes"]] == [STEPS] * EPISODES
+    age = rep["bag"]["observation_age_ms"]  # at inference start, on the bag's clock: within max_age_ms
+    assert 0.0 <= age["min"] <= age["p50"] <= age["max"] <= 100.0
     assert rep["bundle"]["path"] == str(tiny_bundles[family]) and rep["bundle"]["family"] == family
     assert rep["mode_order"] == MODES and set(rep["modes"]) == set(MODES)
     assert rep["machine"]["torch_threads"] >= 1 and rep["machine"]["cpu_count"] >= 1
@@ -117,7 +119,8 @@ def test_report_md_and_plots(replays, family: str) -> None:
     report, rep, _ = replays[family]
     md = (report / "report.md").read_text()
     for needle in ("| mode | p50 ms | p95 ms | p99 ms | speedup vs baseline |", "Per-stage breakdown", "FLOPs estimate",
-                   rep["command"], "torch", "side by side are the figures to trust"):  # fmt: skip
+                   rep["command"], "torch", "side by side are the figures to trust",
+                   "observation age at inference start"):  # fmt: skip
         assert needle in md
     from PIL import Image
 
@@ -145,10 +148,11 @@ def test_frame_noise_is_deterministic_per_frame(tiny_bundles) -> None:
     from vla_accel_ros.core.bundle import read_spec
 
     spec = read_spec(tiny_bundles["flow"])
-    a, b = rp.frame_noise(0, 3, spec), rp.frame_noise(0, 3, spec)
+    shape = (spec.chunk_size, spec.action_dim)
+    a, b = rp.frame_noise(0, 3, shape), rp.frame_noise(0, 3, shape)
     assert a.shape == (spec.chunk_size, spec.action_dim) and np.array_equal(a, b)
-    assert not np.array_equal(a, rp.frame_noise(0, 4, spec))
-    assert not np.array_equal(a, rp.frame_noise(1, 3, spec))
+    assert not np.array_equal(a, rp.frame_noise(0, 4, shape))
+    assert not np.array_equal(a, rp.frame_noise(1, 3, shape))
 
 
 def test_flops_formula() -> None:

@@ -68,6 +68,54 @@ def test_a_frame_stamped_in_the_future_is_never_kept_and_later_frames_still_asse
     assert asm.add("b", IMG, 1030 * MS, 1031 * MS).stamp_ns == 1030 * MS
 
 
+def test_a_frame_re_sent_with_its_old_stamp_is_not_a_new_frame():
+    """Issue 33: a camera that re-sends one frame (same stamp) adds nothing: no observation is
+    made from it again, however fresh the other cameras are; it is counted."""
+    asm = make()
+    asm.add("a", IMG, 1000 * MS, 1001 * MS)
+    assert asm.add("b", IMG, 1000 * MS, 1002 * MS).stamp_ns == 1000 * MS
+    asm.add("a", IMG, 1033 * MS, 1034 * MS)
+    assert asm.add("b", IMG, 1000 * MS, 1035 * MS) is None  # b re-sends the frame it sent at 1000
+    assert asm.rejects["repeated"] == 1
+    assert asm.add("b", IMG, 1033 * MS, 1036 * MS).stamp_ns == 1033 * MS  # b streams again
+
+
+def _stream(asm, cameras, start_ms: int, end_ms: int, stamp_ms=None) -> None:
+    """Frames every 33 ms from ``start_ms`` to ``end_ms`` (arrival = stamp + 1 ms, or re-sent with ``stamp_ms``)."""
+    for t in range(start_ms, end_ms, 33):
+        for c in cameras:
+            asm.add(c, IMG, (t if stamp_ms is None else stamp_ms) * MS, (t + 1) * MS)
+
+
+def test_health_names_a_camera_that_is_silent_or_re_sends_one_stamp_until_it_recovers():
+    """Per camera: OK while it sends new frames; WARN once its newest new frame is older than
+    max_age (100 ms here), ERROR after error_ns (1 s here); a camera re-sending one stamp is named
+    as such; OK again once it sends a new frame."""
+    asm = make()
+    err = 1000 * MS
+
+    def levels(now_ms: int) -> dict[str, tuple[str, str]]:
+        return {h.camera: (h.level, h.message) for h in asm.health(now_ms * MS, error_ns=err)}
+
+    assert levels(1000) == {"a": ("warn", "no frames yet"), "b": ("warn", "no frames yet")}
+    _stream(asm, "ab", 1000, 1200)
+    assert {c: lvl for c, (lvl, _) in levels(1200).items()} == {"a": "ok", "b": "ok"}
+    _stream(asm, "a", 1200, 1500)  # b goes silent after its frame at 1198
+    now = levels(1500)
+    assert now["a"][0] == "ok" and now["b"][0] == "warn" and "no new frame for 0.3 s" in now["b"][1]
+    _stream(asm, "a", 1500, 2300)
+    assert levels(2300)["b"][0] == "error"
+    _stream(asm, "b", 2300, 2400, stamp_ms=1198)  # b re-sends its last frame with its stamp
+    level, message = levels(2400)["b"]
+    assert level == "error" and "re-sending one stamp" in message and "for 1.2 s" in message
+    assert {h.camera: h.resent for h in asm.health(2400 * MS, error_ns=err)}["b"] == 4
+    _stream(asm, "ab", 2400, 2500)
+    assert {c: lvl for c, (lvl, _) in levels(2500).items()} == {"a": "ok", "b": "ok"}
+    # An error time below max_age never turns a fresh camera to ERROR: WARN comes first.
+    assert {h.camera: h.level for h in asm.health(2550 * MS, error_ns=10 * MS)} == {"a": "ok", "b": "ok"}
+    assert {h.camera: h.level for h in asm.health(2700 * MS, error_ns=10 * MS)} == {"a": "error", "b": "error"}
+
+
 def test_unknown_camera_is_an_error():
     with pytest.raises(KeyError):
         make().put("c", IMG, 0)
@@ -158,7 +206,7 @@ def test_builder_runs_both_halves_and_episodes_reset_it():
     b.begin_episode(4)  # nothing from episode 3 is used in episode 4
     assert b.instruction == "" and b.frame("a", IMG, 1020 * MS, 1020 * MS) is None
     assert b.frame("b", IMG, 1020 * MS, 1020 * MS) is None and b.rejects["no_state"] == 1
-    assert b.rejects == {"stale": 0, "skew": 0, "future": 0, "no_state": 1, "stale_state": 0}
+    assert b.rejects == {"stale": 0, "skew": 0, "future": 0, "repeated": 0, "no_state": 1, "stale_state": 0}
 
 
 def test_a_clock_that_jumps_back_starts_over():

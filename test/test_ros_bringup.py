@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from vla_accel_ros.core.params_file import node_section
+
 pytest.importorskip("rclpy")
 
 pytestmark = pytest.mark.ros
@@ -32,10 +34,12 @@ def test_bringup_runs_each_node_in_its_own_process_records_and_exits_with_a_summ
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "policy ready" in proc.stdout and "controller" in proc.stdout and "jitter p50" in proc.stdout
+    assert "observation age at inference start" in proc.stdout
     s = json.loads(out.read_text())
     assert s["duration_s"] >= 3.0
     assert s["camera_node"]["observations"] > 0
     assert s["policy_node"]["ready"] and s["policy_node"]["chunks"] > 0
+    assert 0.0 <= s["policy_node"]["obs_age_p50_ms"] <= s["policy_node"]["obs_age_max_ms"] <= 100.0  # max_age_ms
     ctl = s["action_controller_node"]
     assert ctl["commands"] > 0 and ctl["loop_rate_hz"] > 0 and 0.0 <= ctl["jitter_p50_ms"] <= ctl["jitter_p99_ms"]
     assert s["synthetic_sensors_node"]["frames"] > 0
@@ -63,7 +67,7 @@ def test_an_autoregressive_bundle_commands_with_stale_chunks_execute_last(tmp_pa
     import yaml
 
     params = yaml.safe_load(ros_params_file.read_text())
-    params["action_controller_node"]["ros__parameters"]["stale_chunks"] = "execute_last"
+    node_section(params, "action_controller_node")["stale_chunks"] = "execute_last"
     pfile = tmp_path / "ar.yaml"
     pfile.write_text(yaml.safe_dump(params))
     out = tmp_path / "summary.json"

@@ -36,8 +36,7 @@ import helpers  # noqa: E402  (test/helpers.py)
 pytestmark = pytest.mark.ros
 
 CAM_TOPIC = "/cam_high/camera/color/image_rect_raw"
-ARM = ["waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper", "left_finger", "right_finger"]
-START = [0.0, -0.96, 1.16, 0.0, -0.3, 0.0, 1.1, 0.05, -0.05]
+ARM, START = helpers.ARM, helpers.START
 WATCHDOG = 25  # control periods (the shipped default is 50)
 TIMEOUT = 120.0  # generous: the machine is shared; conditions usually hold within a second
 
@@ -110,11 +109,7 @@ class Probe(Node):
         self.image_pub.publish(msg)
 
     def _publish_joints(self) -> None:
-        now = self.get_clock().now().to_msg()
-        for pub in self.js_pubs:
-            msg = JointState(name=ARM, position=START)
-            msg.header.stamp = now
-            pub.publish(msg)
+        helpers.publish_joint_states(self, self.js_pubs)
 
     def count(self, what: str) -> int:
         with self.lock:
@@ -302,13 +297,16 @@ def test_rtc_guidance_travels_from_controller_to_policy_and_is_honoured(system):
     n = probe.count("requests")
 
     def answered() -> list[tuple[ChunkRequest, ActionChunk]]:
+        """Guided requests and their chunks, computed from the observation the controller named
+        (one older than max_age_ms when its inference would start is served by a fresh newer
+        one, without guidance, which is indexed to the old stamp)."""
         with probe.lock:
             reqs = {q.request_id: q for q in probe.requests[n:] if q.has_guidance}
-            return [(reqs[c.request_id], c) for c in probe.chunks if c.request_id in reqs]
+            return [(reqs[c.request_id], c) for c in probe.chunks
+                    if c.request_id in reqs and c.header.stamp == reqs[c.request_id].header.stamp]  # fmt: skip
 
     wait_for(lambda: len(answered()) >= 2, what="two guided chunks")
     for req, chunk in answered():
-        assert chunk.header.stamp == req.header.stamp  # the observation the controller named
         h, d = req.horizon, req.action_dim
         prev = np.asarray(req.prev_actions, np.float32).reshape(h, d)
         actions = np.asarray(chunk.actions, np.float32).reshape(chunk.horizon, chunk.action_dim)

@@ -8,6 +8,7 @@ description's."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 import types
@@ -17,7 +18,8 @@ import pytest
 import yaml
 
 from vla_accel_ros.core.config import unflatten
-from vla_accel_ros.ros.graph import CAMERA, CONTROLLER, POLICY, SIM, SYNTHETIC, describe, node_parameters
+from vla_accel_ros.core.params_file import load_params, node_section
+from vla_accel_ros.ros.graph import CAMERA, CONTROLLER, POLICY, RECORDER, SIM, SYNTHETIC, describe, node_parameters
 
 pytestmark = pytest.mark.ros
 
@@ -88,7 +90,7 @@ def test_launch_starts_exactly_the_described_nodes(monkeypatch, tiny_bundles):
     declared, actions = _run_launch(monkeypatch, bundle=bundle, namespace="vla", record="true")
     assert REQUIRED_ARGS <= set(declared)
     graph = describe(bundle=bundle, namespace="vla", record=True)
-    nodes = [a for a in actions if type(a).__name__ == "Node"]
+    nodes = [a for a in actions if type(a).__name__ == "Node" and a.kwargs["name"] != RECORDER]
     assert [n.kwargs["name"] for n in nodes] == [s.name for s in graph.nodes] == [CAMERA, POLICY, CONTROLLER]
     for n, spec in zip(nodes, graph.nodes):
         assert n.kwargs["executable"] == spec.executable and n.kwargs["package"] == "vla_accel_ros"
@@ -98,10 +100,17 @@ def test_launch_starts_exactly_the_described_nodes(monkeypatch, tiny_bundles):
         assert overrides == {**spec.parameters, "use_sim_time": False}
     assert nodes[1].kwargs["parameters"][1]["bundle"] == str(Path(bundle).resolve())
     assert nodes[0].kwargs["parameters"][1]["observation_transport"] == "topic"  # separate processes
-    bag = next(a for a in actions if type(a).__name__ == "ExecuteProcess")
-    cmd = bag.kwargs["cmd"]
-    assert cmd[:3] == ["ros2", "bag", "record"] and "/vla/action_chunk" in cmd and "/diagnostics" in cmd
-
+    if importlib.util.find_spec("ros2bag") is not None:
+        bag = next(a for a in actions if type(a).__name__ == "ExecuteProcess")
+        cmd = bag.kwargs["cmd"]
+        assert cmd[:3] == ["ros2", "bag", "record"] and "/vla/action_chunk" in cmd and "/diagnostics" in cmd
+    else:  # no rosbag2: the package's recorder, same topics, and the log says why
+        rec = next(a for a in actions if type(a).__name__ == "Node" and a.kwargs["name"] == RECORDER)
+        assert rec.kwargs["executable"] == "recorder" and rec.kwargs["namespace"] == "vla"
+        assert rec.kwargs["parameters"][0]["topics"] == graph.resolved_record_topics()
+        assert "/vla/action_chunk" in graph.resolved_record_topics() and "/diagnostics" in graph.resolved_record_topics()
+        assert any("ros2 bag is not installed" in a.kwargs["msg"] for a in actions if type(a).__name__ == "LogInfo")
+        assert not any(type(a).__name__ == "ExecuteProcess" for a in actions)
 
 def test_sim_switch_adds_the_simulator_or_says_why_not(monkeypatch):
     graph = describe(sim=True)
@@ -132,6 +141,50 @@ def test_description_fits_cameras_to_the_bundle_and_reads_the_file_like_rcl(tmp_
     assert node_parameters(custom, POLICY, "vla") == {"a": 2, "b.c": 3}
     assert node_parameters(custom, POLICY) == {"a": 1}
 
+
+
+# Sections in file order, with every spelling rcl accepts: bare names, nested namespaces, wildcards.
+RULE_FILE = """
+/r1/n: {ros__parameters: {a: full_abs, f: full_abs}}
+/**: {ros__parameters: {a: all, b: all, g: all}}
+n: {ros__parameters: {a: bare, c: bare}}
+/**/n: {ros__parameters: {a: starstar_n, d: starstar_n, g: starstar_n}}
+r1: {n: {ros__parameters: {e: nested}}}
+/*/n: {ros__parameters: {h: one_token}}
+/r1/*: {ros__parameters: {i: r1_any}}
+"""
+
+
+def test_the_parameter_file_is_read_by_rcls_rule(ros_context, tmp_path):
+    """node_parameters() gives what rclpy itself gives a node from the same file, in the root
+    namespace, one namespace and two: a bare ``n:`` is ``/n`` only, ``/**/n`` applies everywhere,
+    ``/*`` is one token, and a later matching section wins. config/aloha.yaml's node sections
+    apply in any namespace, and a file whose sections would not is named in the notes."""
+    from rclpy.node import Node
+
+    path = tmp_path / "rule.yaml"
+    path.write_text(RULE_FILE)
+    params = load_params(path)
+    for ns in ("", "r1", "r1/sub"):
+        node = Node("n", namespace=ns or None, context=ros_context, cli_args=["--ros-args", "--params-file", str(path)],
+                    automatically_declare_parameters_from_overrides=True)  # fmt: skip
+        try:
+            held = {k: p.value for k, p in node._parameters.items() if k not in ("use_sim_time", "start_type_description_service")}  # noqa: SLF001
+        finally:
+            node.destroy_node()
+        assert held == node_parameters(params, "n", ns), ns
+    shipped = load_params(ROOT / "config" / "aloha.yaml")
+    for node in (CAMERA, POLICY, CONTROLLER, SIM, SYNTHETIC):
+        assert len(node_parameters(shipped, node, "r1/sub")) > len(node_parameters(shipped, "other_node")), node
+        assert node_parameters(shipped, node, "r1") == node_parameters(shipped, node), node
+    assert not describe(namespace="r1").notes
+    legacy = tmp_path / "legacy.yaml"  # plain node names, as the file had them before
+    legacy.write_text(yaml.safe_dump({"policy_node": {"ros__parameters": {"trigger": "continuous"}}}))
+    assert not describe(params_file=legacy).notes
+    assert any("'/policy_node' does not apply to /r1/policy_node" in n for n in describe(params_file=legacy, namespace="r1").notes)
+    copy = load_params(legacy)
+    node_section(copy, POLICY)["warmup"] = False  # edits the file's own section
+    assert copy == {"policy_node": {"ros__parameters": {"trigger": "continuous", "warmup": False}}}
 
 def test_the_description_and_the_core_import_without_rclpy(tmp_path):
     code = (

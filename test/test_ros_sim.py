@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.params_file import node_section
 from vla_accel_ros.core.robot.config import RobotConfig
 from vla_accel_ros.io.recording import ReorderBuffer, header_stamp_ns
 from vla_accel_ros.core.robot.state import StateAssembler, to_robot_units
@@ -134,8 +135,8 @@ def test_graph_wires_the_simulator_to_the_camera_and_controller_config(tiny_bund
         assert t in topics
     assert len(topics) == len(set(topics))
     params = yaml.safe_load(Path(g.params_file).read_text())
-    params["action_controller_node"]["ros__parameters"]["command"].update(backend="float64_multi_array", topic="/fwd/commands")
-    params["aloha_sim_node"]["ros__parameters"]["publish_clock"] = False
+    node_section(params, "action_controller_node")["command"].update(backend="float64_multi_array", topic="/fwd/commands")
+    node_section(params, "aloha_sim_node")["publish_clock"] = False
     f = tmp_path / "p.yaml"
     f.write_text(yaml.safe_dump(params))
     g2 = describe(params_file=f, sim=True)
@@ -328,7 +329,7 @@ def test_bringup_sim_closes_the_loop_and_record_writes_a_replayable_bag(tmp_path
     from vla_accel_ros.io.bag_reader import BagReader
 
     params = yaml.safe_load(ros_params_file.read_text())
-    params["aloha_sim_node"]["ros__parameters"].update(height=120, width=160, camera_rate_hz=25.0)
+    node_section(params, "aloha_sim_node").update(height=120, width=160, camera_rate_hz=25.0)
     pfile = tmp_path / "sim.yaml"
     pfile.write_text(yaml.safe_dump(params))
     domain = str(random.SystemRandom().randint(1, 100))

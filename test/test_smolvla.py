@@ -26,7 +26,8 @@ from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.models.factory import inspect_bundle, load_policy
 from vla_accel_ros.models.reference import check_fixture, fixture_observation, load_fixture
 from vla_accel_ros.models.smolvla.configuration_smolvla import SmolVLAOptions
-from vla_accel_ros.models.smolvla.lerobot_import import SOURCE_FILE, import_lerobot
+from vla_accel_ros.models.lerobot_compat import SOURCE_FILE
+from vla_accel_ros.models.smolvla.lerobot_import import import_lerobot
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL = REPO / "test" / "fixtures" / "smolvla"
@@ -149,12 +150,12 @@ def test_layer_plan_follows_lerobots_rules():
 
 def test_no_family_branches_outside_the_family_modules():
     """Families are plug-ins: nothing outside their modules asks which family a bundle is."""
-    pattern = re.compile(r"""family\s*[!=]=\s*["'](ar|flow|smolvla)["']""")
-    family_modules = {"models/ar.py", "models/flow.py"}
+    pattern = re.compile(r"""family\s*[!=]=\s*["'](ar|flow|smolvla|pi0)["']""")
+    family_modules = {"models/ar.py", "models/flow.py"}  # and the packages models/smolvla, models/pi0
     bad = []
     for path in sorted((REPO / "vla_accel_ros").rglob("*.py")):
         rel = path.relative_to(REPO / "vla_accel_ros").as_posix()
-        if rel in family_modules or rel.startswith("models/smolvla/"):
+        if rel in family_modules or rel.startswith(("models/smolvla/", "models/pi0/")):
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line):
@@ -171,8 +172,35 @@ def test_a_random_smolvla_demo_bundle_runs_the_engine_against_its_reference(tmp_
     for accel in ("none", "cache", "prune", "cache+prune"):
         policy = load_policy(tmp_path / "demo", PolicyConfig.from_dict({"accel": accel}))
         assert policy.parity_report.passed, (accel, policy.parity_report.table())
-    with pytest.raises(ConfigError, match="cache.reuse_vision"):
-        load_policy(tmp_path / "demo", PolicyConfig.from_dict({"accel": "cache", "cache": {"reuse_vision": True}}))
+    cache = {"relevance_mode": "off", "topk_reuse": 64, "reuse_vision": True}
+    policy = load_policy(tmp_path / "demo", PolicyConfig.from_dict({"accel": "cache", "cache": cache}))
+    assert policy.parity_report.passed and policy.parity_report.metrics["accel_tokens_reused"] > 0
+
+
+def test_the_vision_cache_recomputes_a_fresh_tokens_block_of_patches(tmp_path):
+    """A SmolVLA token merges a block of s x s patches (pixel shuffle): the vision cache runs a
+    fresh token's whole block through the encoder (attending to every patch's K/V) and maps the
+    block to the token; with every token fresh it is the stock tower's forward, with the same
+    pixels a partial pass gives the full pass's embeddings, and stale tokens keep theirs."""
+    from vla_accel_ros.models.factory import build_model, demo_spec
+    from vla_accel_ros.models.vision import VisionCache
+
+    torch.manual_seed(0)
+    vis = build_model(demo_spec("smolvla", "tiny")).vis.eval()  # 128 px, 16 px patches, 2 x 2 shuffle
+    assert (vis.num_patches, vis.num_tokens) == (64, 16)
+    assert vis.token_patches(torch.tensor([0, 5])).tolist() == [0, 1, 8, 9, 18, 19, 26, 27]
+    cache = VisionCache(vis, cameras=1)
+    a, b = torch.randn(1, 3, 128, 128), torch.randn(1, 3, 128, 128)
+    fresh = torch.zeros(1, 16, dtype=torch.bool)
+    fresh[0, [3, 9, 10]] = True
+    with torch.inference_mode():
+        first = cache.embed(a, [0], None).clone()
+        assert torch.allclose(first, vis(a), atol=1e-5) and cache.computed == 64
+        same = cache.embed(a, [0], fresh)
+        assert cache.computed == 12 and torch.allclose(same, first, atol=1e-5)
+        mixed = cache.embed(b, [0], fresh)
+    assert torch.equal(mixed[0, ~fresh[0]], first[0, ~fresh[0]])
+    assert not torch.allclose(mixed[0, fresh[0]], first[0, fresh[0]])
 
 
 @pytest.mark.slow
@@ -188,3 +216,103 @@ def test_the_local_fixtures_regenerate_bit_exactly_with_lerobot(tmp_path):
     for name in (n for n in FIXTURES if n != "shared"):
         a, b = load_file(str(FIXTURES[name] / "fixture.safetensors")), load_file(str(tmp_path / name / "fixture.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+@pytest.fixture(scope="module")
+def two_camera_bundle(imported):
+    """The 2-camera, 14-joint ALOHA-shaped fixture's bundle (cam_high, cam_left_wrist)."""
+    return imported["fewer_experts_special_tokens"]
+
+
+def test_an_imported_bundle_replays_a_simulator_bag_in_every_mode(two_camera_bundle, tmp_path):
+    """``vla-accel replay`` runs the bundle unchanged: two cameras of a simulator bag at their own
+    size (the policy pads them to 128 px), the gate on the bag's frames, the plain reference,
+    the token cache and pruning."""
+    pytest.importorskip("gym_aloha", reason="requirements-sim.txt is not installed")
+    from vla_accel_ros.cli import main
+
+    bag = tmp_path / "bag"
+    argv = ["sim", "record", "--task", "transfer_cube", "--episodes", "1", "--steps", "6", "--cameras", "top,left_wrist",
+            "--height", "96", "--width", "128", "--out", str(bag)]  # fmt: skip
+    assert main(argv) == 0
+    report = tmp_path / "report"
+    argv = ["replay", str(bag), "--bundle", str(two_camera_bundle), "--modes", "transformers,baseline,cache,prune,cache+prune",
+            "--warmup", "1", "--report", str(report), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    rep = json.loads((report / "report.json").read_text())
+    assert rep["bundle"]["family"] == "smolvla" and rep["frames"] == 5
+    modes = rep["modes"]
+    assert modes["transformers"]["deviation"]["max_over_std"] < 1e-4  # the reference path and the engine agree
+    assert modes["prune"]["tokens_kept_fraction"]["mean"] < 1.0 and modes["baseline"]["tokens_kept_fraction"]["mean"] == 1.0
+
+
+def test_an_imported_bundle_closes_the_loop_under_bringup(two_camera_bundle, tmp_path, ros_params_file):
+    """``vla-accel bringup --synthetic-camera``: two synthetic cameras at the bundle's size, the
+    policy node runs the imported bundle (``bundle:=``) and the controller executes its chunks."""
+    import random
+
+    out = tmp_path / "summary.json"
+    env = {**os.environ, "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST"}
+    cmd = [sys.executable, "-m", "vla_accel_ros.cli", "bringup", "--params", str(ros_params_file), "--bundle",
+           str(two_camera_bundle), "--synthetic-camera", "--duration", "4", "--one-process",
+           "--domain-id", str(random.SystemRandom().randint(1, 100)), "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["policy_node"]["ready"] and s["policy_node"]["chunks"] > 0, s["policy_node"]
+    assert s["camera_node"]["observations"] > 0 and s["action_controller_node"]["commands"] > 0
+
+
+@pytest.mark.slow
+def test_bench_lerobot_runs_lerobot_and_ours_on_the_same_frames(two_camera_bundle, tmp_path):
+    """``vla-accel bench lerobot`` with LeRobot's side venv: both sides on a simulator bag's
+    frames; our fp32 baseline equals LeRobot's actions (1e-4 std), every mode reports a speedup."""
+    if not LEROBOT_PY.is_file():
+        pytest.skip(f"LeRobot's side venv is missing ({LEROBOT_PY})")
+    pytest.importorskip("gym_aloha", reason="requirements-sim.txt is not installed")
+    from vla_accel_ros.cli import main
+
+    bag = tmp_path / "bag"
+    assert main(["sim", "record", "--task", "transfer_cube", "--episodes", "1", "--steps", "4", "--cameras",
+                 "top,left_wrist", "--height", "96", "--width", "128", "--out", str(bag)]) == 0  # fmt: skip
+    fx = FIXTURES["fewer_experts_special_tokens"]
+    report = tmp_path / "report"
+    argv = ["bench", "lerobot", "--lerobot", str(fx / "policy"), "--vlm", str(fx / "vlm"), "--python", str(LEROBOT_PY),
+            "--bag", str(bag), "--bundle", str(two_camera_bundle), "--max-frames", "3", "--threads", "1",
+            "--modes", "baseline,cache+prune", "--report", str(report)]  # fmt: skip
+    assert main(argv) == 0
+    rep = json.loads((report / "report.json").read_text())
+    assert rep["frames"] == 3 and rep["lerobot"]["latency_ms"]["p50"] > 0
+    assert rep["modes"]["baseline"]["deviation_vs_lerobot"]["max_over_std"] < 1e-4
+    assert all(m["speedup_vs_lerobot"] > 0 and m["gate"]["passed"] for m in rep["modes"].values())
+    assert (report / "report.md").read_text().count("| LeRobot |") == 1 and (report / "latency.png").is_file()
+
+
+def test_the_compiled_expert_step_matches_the_eager_one(tmp_path):
+    """``precision.compile``: the expert's step as one graph (here a backend without code
+    generation: the graph and its inlined attention are exercised) gives the eager actions,
+    with and without pruned prefix tokens; guidance (autograd) stays eager."""
+    from vla_accel_ros.core.parity import changed_observation, fixed_observation, gate_noise
+    from vla_accel_ros.core.types import ChunkGuidance
+    from vla_accel_ros.models.factory import create_demo_bundle
+    from vla_accel_ros.models.smolvla.expert import ExpertEngine
+
+    path = create_demo_bundle("smolvla", "tiny", tmp_path / "b", cameras=("cam_high", "cam_left_wrist"))
+    for accel in ("none", "cache+prune"):
+        cfg = PolicyConfig(parity_check=False, accel=accel)
+        eager, compiled = load_policy(path, cfg), load_policy(path, cfg)
+        old = compiled.expert_engine
+        compiled.expert_engine = ExpertEngine(
+            compiled.model.expert, compiled.options.layer_plan(4), compiled.cache, max_positions=old.step.cos.shape[0],
+            compile=True, backend="aot_eager",
+        )  # fmt: skip
+        obs = fixed_observation(eager.spec)
+        noise = gate_noise(eager)
+        for frame in (obs, changed_observation(obs, eager.spec)):
+            a, c = eager.infer(frame, noise=noise), compiled.infer(frame, noise=noise)
+            np.testing.assert_allclose(c.actions, a.actions, atol=1e-5)
+        assert compiled.expert_engine.static_calls == 2 * eager.num_steps
+    guide = ChunkGuidance(prev_actions=a.actions, weights=np.ones(eager.spec.chunk_size, np.float32), frozen=0)
+    np.testing.assert_allclose(compiled.infer(obs, noise=noise, guidance=guide).actions,
+                               eager.infer(obs, noise=noise, guidance=guide).actions, atol=1e-5)  # fmt: skip
+    assert compiled.expert_engine.static_calls == 2 * eager.num_steps  # guided steps ran eager

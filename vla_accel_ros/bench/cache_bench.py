@@ -98,7 +98,7 @@ def run_cache_bench(
     observations = synthetic_observations(spec, warmup + frames, seed=seed, speed=speed, noise=noise)
     rng = np.random.default_rng(seed)
     for i, obs in enumerate(observations):
-        chunk_noise = rng.standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
+        chunk_noise = rng.standard_normal(full.noise_shape or (spec.chunk_size, spec.action_dim)).astype(np.float32)
         k = i % len(contenders)
         for c in contenders[k:] + contenders[:k]:  # rotate who runs first
             out = c.policy.infer(obs, noise=chunk_noise)
@@ -189,7 +189,7 @@ def summarize(contenders: list[Contender], spec, meta: dict[str, Any]) -> dict[s
 
 
 def format_report(result: dict[str, Any]) -> str:
-    meta, rows = result["meta"], result["rows"]
+    rows = result["rows"]
     lines = [
         f"{'contender':<12} {'p50 ms':>8} {'p95 ms':>8} {'speedup':>8} {'paired':>7} {'reuse':>6} {'select p50':>10} "
         f"{'resets':>6}  deviation vs full",

@@ -245,8 +245,8 @@ def warm_up(robot: SimRobot, run, seed: int) -> None:
             run.pipeline.push(obs)
             run.pipeline.flush()
         else:
-            spec = run.policy.spec
-            run.policy.infer(obs, noise=np.zeros((spec.chunk_size, spec.action_dim), np.float32))
+            shape = run.policy.noise_shape
+            run.policy.infer(obs, noise=None if shape is None else np.zeros(shape, np.float32))
     run.reset()
 
 
@@ -296,7 +296,7 @@ def run_episode(robot: SimRobot, run, graph: GraphConfigs, seed: int, cfg: EvalC
             obs = robot.observe(now)
             if obs is not None:
                 policy.set_motion_mode(MODE_NAMES[loop.motion.mode])
-                noise = rng.standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
+                noise = rng.standard_normal(policy.noise_shape or (spec.chunk_size, spec.action_dim)).astype(np.float32)
                 chunks = [policy.infer(obs, noise=noise, guidance=out.request.guidance)]
                 if "reasoning_text" in chunks[0].stats:
                     reasoning.append(chunks[0].stats)
@@ -334,7 +334,7 @@ def graph_params(name: str, cfg: EvalConfig) -> dict[str, Any]:
 
     from vla_accel_ros.bench.replay import _policy_config, mode_of
     from vla_accel_ros.core.config import flatten, unflatten
-    from vla_accel_ros.core.params_file import default_params_file, load_params
+    from vla_accel_ros.core.params_file import default_params_file, load_params, node_section
     from vla_accel_ros.core.policy_config import PolicyConfig
 
     mode = mode_of(name)
@@ -362,7 +362,7 @@ def graph_params(name: str, cfg: EvalConfig) -> dict[str, Any]:
             continue
         policy[key] = list(value) if isinstance(value, tuple) else value
     params = copy.deepcopy(load_params(cfg.params or default_params_file()))
-    section = params.setdefault("policy_node", {}).setdefault("ros__parameters", {})
+    section = node_section(params, "policy_node")
     section["policy"] = unflatten(policy)
     return params
 
@@ -457,7 +457,8 @@ def open_loop_error(policy, demos: list[Demo], lower: np.ndarray, upper: np.ndar
         # a pruning mode keeps along the expert's demonstration.
         policy.set_motion_mode("coarse")
         for step, obs in demo.frames:
-            noise = np.random.default_rng((demo.seed, step)).standard_normal((policy.spec.chunk_size, policy.spec.action_dim))
+            shape = policy.noise_shape or (policy.spec.chunk_size, policy.spec.action_dim)  # token decoding ignores it
+            noise = np.random.default_rng((demo.seed, step)).standard_normal(shape)
             chunk = policy.infer(obs, noise=noise.astype(np.float32))
             n = min(chunk.horizon, demo.actions.shape[0] - step)
             errs.append(np.abs(chunk.actions[:n] - demo.actions[step : step + n]))  # [n, D]

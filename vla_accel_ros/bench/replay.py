@@ -374,10 +374,11 @@ def gate_frames_from_bag(path: Path, sync, second: int = 10) -> tuple[Any, Any] 
     return None if last is None else (first, last)
 
 
-def frame_noise(seed: int, index: int, spec) -> np.ndarray:
-    """The flow noise of frame ``index``: the same in every mode, reproducible across runs."""
+def frame_noise(seed: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The flow noise of frame ``index`` (``shape``: the policies' ``noise_shape``): the same in
+    every mode, reproducible across runs."""
     rng = np.random.default_rng((seed, index))
-    return rng.standard_normal((spec.chunk_size, spec.action_dim)).astype(np.float32)
+    return rng.standard_normal(shape).astype(np.float32)
 
 
 def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") -> dict[str, Any]:
@@ -406,9 +407,11 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
         r.reset()  # forget the parity gate's frames
     ref = next(r.policy for r in runs if r.name == BASELINE)
     flow_steps = getattr(ref, "num_steps", 0)  # policies that integrate a flow; 0: token decoding
+    noise_shape = ref.noise_shape or (spec.chunk_size, spec.action_dim)  # token decoding ignores it
 
     frame_episodes: list[int] = []
     frame_stamps: list[int] = []
+    obs_ages: list[float] = []  # ms, of the timed frames' observations when their inference started
     episodes: dict[int, dict[str, Any]] = {}
     timed_frames: dict[int, str] = {}  # stamp -> instruction, of the timed frames
     truths: dict[int, list[str] | None] = {}  # stamp -> the ground-truth reasoning (reasoning bundles)
@@ -436,7 +439,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
             prev_episode = obs.episode
             ep = episodes.setdefault(obs.episode, {"index": obs.episode, "instruction": obs.instruction, "frames": 0})
             ep["frames"] += 1
-            noise = frame_noise(cfg.seed, processed, spec)
+            noise = frame_noise(cfg.seed, processed, noise_shape)
             timed = processed >= cfg.warmup
             if timed:
                 timed_frames[obs.stamp_ns] = obs.instruction
@@ -452,6 +455,7 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
             if timed:
                 frame_episodes.append(obs.episode)
                 frame_stamps.append(obs.stamp_ns)
+                obs_ages.append(sample.age_ms)
             processed += 1
             bar.update(1)
             if timed and progress:
@@ -470,7 +474,9 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
     meta = {
         "schema": SCHEMA,
         "command": command,
-        "bag": {**bag_info, "observations": processed, "skipped": skipped, "episodes": list(episodes.values())},
+        "bag": {**bag_info, "observations": processed, "skipped": skipped, "episodes": list(episodes.values()),
+                # each observation is inferred on as it is made: its age then, on the bag's clock
+                "observation_age_ms": distribution(obs_ages)},  # fmt: skip
         "bundle": _bundle_info(bundle_path, spec, ref, flow_steps),
         "frames": len(frame_episodes),
         "warmup": min(cfg.warmup, processed),

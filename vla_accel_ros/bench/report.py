@@ -203,6 +203,8 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     eps = ", ".join(f"#{e['index']} ({e['frames']} frames)" for e in bag["episodes"])
+    age = bag.get("observation_age_ms")  # (not in reports written before it was measured)
+    age = f"; observation age at inference start p50 {age['p50']:.1f} ms, max {age['max']:.1f} ms (bag clock)" if age else ""
     lines += [
         "## Run",
         "",
@@ -212,7 +214,7 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         "",
         f"- bag: `{bag['path']}`: {bag['observations']} observations "
         f"(cameras {', '.join(bag['cameras'])}), {bag['duration_s']:.2f} s, episodes {eps}; "
-        f"not made {bag['skipped']}",
+        f"not made {bag['skipped']}{age}",
         f"- bundle: `{b['path']}`: {b['name']} ({fam}), {b['parameters_m']} M parameters, cameras "
         f"{', '.join(b['cameras'])} at {b['image_size']} px ({b['grid']}x{b['grid']} tokens), chunk "
         f"{b['chunk_size']} x {b['action_dim']}" + (f", {b['flow_steps']} Euler steps" if b.get("flow_steps") else ""),

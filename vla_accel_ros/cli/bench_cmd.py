@@ -24,6 +24,28 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     e.add_argument("--reuse", default="0.4,0.6,0.8", help="image-token reuse fractions to time")
     e.add_argument("--json", type=Path, help="also write the rows as JSON here")
     e.set_defaults(func=_engine)
+    lr = bsub.add_parser(
+        "lerobot", help="LeRobot's own SmolVLA vs ours on a bag's frames (same weights, noise, threads; interleaved)",
+        description="Runs LeRobot's policy in the Python given by --python (an environment with lerobot, e.g. "
+        "../shared/tools/lerobot-reference/install_lerobot_venv.sh) and this package's modes on the same frames. "
+        "Example: vla-accel bench lerobot --lerobot /tmp/smolvla-full/policy --python /tmp/lerobot-venv/bin/python "
+        "--bag artifacts/bags/cube3 --threads 2 --modes baseline,cache+prune@auto --report artifacts/reports/lerobot",
+    )  # fmt: skip
+    lr.add_argument("--lerobot", type=Path, required=True, metavar="DIR", help="LeRobot's saved SmolVLA policy directory")
+    lr.add_argument("--vlm", type=Path, default=None, metavar="DIR", help="the SmolVLM directory (default: as the checkpoint names it)")
+    lr.add_argument("--python", type=Path, required=True, metavar="PY", help="a Python whose environment has lerobot")
+    lr.add_argument("--bag", type=Path, required=True, help="rosbag2 bag with the bundle's cameras and joint states")
+    lr.add_argument("--modes", default="baseline", help="our modes, as for replay (default %(default)s)")
+    lr.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default %(default)s)")
+    lr.add_argument("--max-frames", type=int, default=10, help="timed frames (default %(default)s)")
+    lr.add_argument("--warmup", type=int, default=1, help="untimed frames first (default %(default)s)")
+    lr.add_argument("--bundle", type=Path, default=None, help="the checkpoint already imported (default: import it into REPORT/bundle)")
+    lr.add_argument("--no-parity", action="store_true", help="skip the start-up gate of each mode")
+    lr.add_argument("--cache", action="append", default=[], metavar="FIELD=VALUE", help="CacheConfig override (repeatable)")
+    lr.add_argument("--prune", action="append", default=[], metavar="FIELD=VALUE", help="PruneConfig override (repeatable)")
+    lr.add_argument("--precision", action="append", default=[], metavar="FIELD=VALUE", help="PrecisionConfig override (repeatable)")
+    lr.add_argument("--report", type=Path, required=True, help="directory for report.json, report.md, latency.png")
+    lr.set_defaults(func=_lerobot)
     o = bsub.add_parser(
         "outcomes", help="task stages reached and paired comparisons of an eval report's modes (no simulation)",
         description="Reads an eval report (report.json or its directory) and prints, per mode, the share of "
@@ -106,4 +128,26 @@ def _outcomes(args: argparse.Namespace) -> int:
     print(_text_table(*paired_rows(result)))
     if args.json:
         args.json.write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n")
+    return 0
+
+
+def _lerobot(args: argparse.Namespace) -> int:
+    import sys
+
+    from vla_accel_ros.bench.lerobot_bench import LeRobotBenchConfig, run_lerobot_bench
+    from vla_accel_ros.cli.cache_bench_cmd import parse_overrides
+
+    cfg = LeRobotBenchConfig(
+        lerobot=args.lerobot, python=args.python, bag=args.bag, report=args.report, vlm=args.vlm,
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), threads=args.threads,
+        max_frames=args.max_frames, warmup=args.warmup, bundle=args.bundle, parity_check=not args.no_parity,
+        cache_overrides=parse_overrides(args.cache), prune_overrides=parse_overrides(args.prune, "--prune"),
+        precision_overrides=parse_overrides(args.precision, "--precision"),
+    )  # fmt: skip
+    result = run_lerobot_bench(cfg, command=" ".join(["vla-accel", *sys.argv[1:]]))
+    le = result["lerobot"]["latency_ms"]["p50"]
+    print(f"LeRobot p50 {le:.0f} ms; " + "; ".join(
+        f"{n} p50 {m['latency_ms']['p50']:.0f} ms ({m['speedup_vs_lerobot']:.2f}x, max dev vs LeRobot "
+        f"{m['deviation_vs_lerobot']['max_over_std']:.2g} std)" for n, m in result["modes"].items()))  # fmt: skip
+    print(f"report: {args.report / 'report.md'}")
     return 0

@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _start_recorder(running, out: Path) -> None:
     """The graph's recording list into ``out``, on the graph's clock, as one more node."""
+    from vla_accel_ros.ros.graph import RECORDER, RECORDER_MODULE  # noqa: PLC0415
+
     g = running.graph
-    parameters = {"out": str(out), "topics": g.resolved_record_topics(), "clock": "sim" if g.use_sim_time else "wall"}
-    running.add_recorder("vla_recorder", "vla_accel_ros.ros.recorder", "RecorderNode", parameters)
+    running.add_recorder(RECORDER, RECORDER_MODULE, "RecorderNode", g.recorder_parameters(out))
     print(f"recording {len(g.resolved_record_topics())} topics to {out}")

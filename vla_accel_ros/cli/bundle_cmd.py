@@ -26,10 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_create)
 
     m = bsub.add_parser(
-        "import", help="write a bundle from a LeRobot SmolVLA checkpoint (offline)",
-        description="Reads LeRobot's saved policy (config.json, model.safetensors, the pre/post-processor JSON and "
-        "statistics) and the SmolVLM directory its vlm_model_name names, and writes a smolvla bundle. Example: "
-        "vla-accel bundle import --lerobot ../shared/fixtures/smolvla-lerobot/policy --out models/smolvla-fixture",
+        "import", help="write a bundle from a LeRobot checkpoint (SmolVLA, pi0; offline)",
+        description="Reads LeRobot's saved policy (config.json and model.safetensors; SmolVLA: the pre/post-processor "
+        "JSON and statistics, and the SmolVLM directory its vlm_model_name names; pi0: PaliGemma's tokenizer) and "
+        "writes a bundle of the family its config.json type names. Example: vla-accel bundle import --lerobot "
+        "../shared/fixtures/smolvla-lerobot/policy --out models/smolvla-fixture",
     )  # fmt: skip
     m.add_argument("--lerobot", required=True, metavar="DIR", help="LeRobot's saved policy directory")
     m.add_argument(
@@ -37,6 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the SmolVLM directory (config.json, tokenizer); default: vlm_model_name as a path, beside the checkpoint, "
         "or in the local Hugging Face cache (never downloaded)",
     )  # fmt: skip
+    m.add_argument(
+        "--tokenizer", metavar="DIR",
+        help="pi0: PaliGemma's tokenizer directory (default: google/paligemma-3b-pt-224 in the local Hugging Face cache)",
+    )
+    m.add_argument("--vision-heads", type=int, default=None, metavar="N", help="pi0: SigLIP's head count when its width is not So400m's 1152")
     m.add_argument("--out", required=True, help="bundle directory to write (never overwritten)")
     m.add_argument("--name", default=None, help="bundle name (default: the checkpoint directory's name)")
     m.add_argument("--joints", default="", help="comma-separated joint names, one per action dimension (default: ALOHA's for 14)")
@@ -76,14 +82,25 @@ def _import(args: argparse.Namespace) -> int:
     if not args.fps > 0:
         print(f"vla-accel bundle import: --fps {args.fps} must be > 0", file=sys.stderr)
         return 2
-    from vla_accel_ros.models.factory import inspect_bundle
-    from vla_accel_ros.models.smolvla.lerobot_import import import_lerobot
+    import json
 
+    from vla_accel_ros.core.errors import BundleError
+    from vla_accel_ros.models.factory import inspect_bundle
+    from vla_accel_ros.models.family import get_family
+
+    cfg_path = Path(args.lerobot) / "config.json"
+    try:
+        kind = json.loads(cfg_path.read_text()).get("type")
+    except (OSError, json.JSONDecodeError) as e:
+        raise BundleError(f"--lerobot {args.lerobot}: no readable config.json ({e})") from e
+    importable = [n for n in family_names() if hasattr(get_family(n), "import_lerobot")]
+    if kind not in importable:
+        raise BundleError(f"{cfg_path}: LeRobot policy type {kind!r} does not import here; importable: {', '.join(importable)}")
     t = time.perf_counter()
     joints = tuple(j.strip() for j in args.joints.split(",") if j.strip()) or None
-    path = import_lerobot(
-        args.lerobot, args.out, vlm=args.vlm, name=args.name, joint_names=joints, fps=args.fps,
-        default_instruction=args.instruction,
+    path = get_family(kind).import_lerobot(
+        args.lerobot, args.out, vlm=args.vlm, tokenizer=args.tokenizer, vision_heads=args.vision_heads, name=args.name,
+        joint_names=joints, fps=args.fps, default_instruction=args.instruction,
     )  # fmt: skip
     print(inspect_bundle(path))
     print(f"imported in {time.perf_counter() - t:.1f} s")

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from vla_accel_ros.core.errors import PlanError
+from vla_accel_ros.core.interrupt import check as check_interrupt
 from vla_accel_ros.core.engine import DecoderStack, Engine, StepOutput, StepPlan, _rel_index, attention_dtype
 from vla_accel_ros.core.kv_cache import KVCache
 from vla_accel_ros.kernels import KernelSet
@@ -169,13 +170,14 @@ class CompiledEngine(Engine):
     ) -> None:
         """``inline``: the step inlines the reference ops (None: with inductor on the CPU)."""
         super().__init__(stack, cache, max_positions=max_positions, kernels=kernels, bf16_attention_above=bf16_attention_above)
-        self.frozen = backend == "inductor" and self.device.type == "cpu"  # built with _compile_settings' options
+        self.frozen = backend == "inductor" and self.device.type == "cpu"  # built with compile_settings' options
         self.inline = self.frozen if inline is None else inline
         self.step = StaticStep(stack, self.cos, self.sin, bf16_attention_above, inline=self.inline)
         self.compiled = torch.compile(self.step, backend=backend, dynamic=False, fullgraph=True)
         self.static_calls = 0  # how many forwards took the compiled graph
 
     def forward(self, x: torch.Tensor, plan: StepPlan, *, differentiable: bool = False) -> StepOutput:
+        check_interrupt()  # between two compiled steps (the graph itself runs through)
         if differentiable or not is_static_plan(plan):
             return super().forward(x, plan, differentiable=differentiable)
         c, n = self.cache, plan.slots.numel()
@@ -194,7 +196,7 @@ class CompiledEngine(Engine):
                 if not inside or bool(c.allowed[plan.slots, window:].any()):
                     raise PlanError(f"key_window={window}: the rows (slots up to {int(plan.slots[-1])}) may read keys beyond it")
             reads = self._reads(plan.slots, window) if self.inline else "per_row"
-        with torch.inference_mode(), _compile_settings(self.frozen):
+        with torch.inference_mode(), compile_settings(self.frozen):
             if not x.is_inference():  # one kind of input tensor: dynamo guards on it (a second graph)
                 x = x.clone()
             hidden = self.compiled(x, plan.slots, plan.positions, c.k, c.v, c.valid, c.allowed, window, reads)
@@ -226,7 +228,7 @@ class CompiledEngine(Engine):
 
 
 @contextlib.contextmanager
-def _compile_settings(frozen: bool):
+def compile_settings(frozen: bool):
     """The settings a compiled step is built with (read when a call compiles; torch.compile's
     ``options`` did not reach freezing). Every engine's graphs share StaticStep.forward's
     graph slots, and frozen weights make dynamo guard each on its own parameters, so the

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from vla_accel_ros.core.errors import PlanError
+from vla_accel_ros.core.interrupt import check as check_interrupt
 from vla_accel_ros.core.kv_cache import KVCache
 from vla_accel_ros.kernels import KernelSet, get_kernels
 
@@ -286,6 +287,7 @@ class Engine:
         allowed_rows = memo["allowed_rows"]  # [n, S]
 
         for l, layer in enumerate(st.layers):
+            check_interrupt()  # a node that is ending stops its inference here
             new_rows = rows if plan.layer_slots is None else plan.layer_slots[l]
             if gone is not None:
                 keep = ~gone[new_rows]

@@ -40,6 +40,10 @@ class PrefixLayout:
     attention: Literal["causal", "bidirectional"]
     num_layers: int
     camera_stride: int = 0
+    # Pixel side of the vision patches a token merges (0: the token is one patch). A token is
+    # static only when each of them is (a small change inside a 64 x 64 pixel token of 16 x 16
+    # patches moves that patch's features, and through it the token).
+    static_patch: int = 0
 
     @property
     def tokens_per_camera(self) -> int:

@@ -72,6 +72,8 @@ class BagSample:
     stamps: topic -> bag timestamp of the message used, to measure skew.
     segment: episode markers read before it (0: before the first): a new value starts a new
     episode even where a marker repeats the previous index (a restarted simulator).
+    age_ms: the observation's age when it was made (bag timestamp - its oldest frame's stamp);
+    replay infers on each observation as it is made, so this is its age at inference start.
     """
 
     observation: Observation
@@ -79,6 +81,7 @@ class BagSample:
     qvel: np.ndarray | None
     stamps: dict[str, int] = field(default_factory=dict)
     segment: int = 0
+    age_ms: float = 0.0
 
 
 @dataclass
@@ -288,7 +291,8 @@ class BagReader(BagFile):
         if act is not None:
             action = self._action(act.data)
             stamps[self.layout.action_topic] = act.stamp_ns
-        return BagSample(observation=obs, action=action, qvel=qvel, stamps=stamps, segment=segment)
+        age_ms = self._builder.last_age_ns / 1e6
+        return BagSample(observation=obs, action=action, qvel=qvel, stamps=stamps, segment=segment, age_ms=age_ms)
 
     @staticmethod
     def _velocity(js: JointStateMsg) -> np.ndarray | None:

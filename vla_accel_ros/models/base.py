@@ -30,6 +30,7 @@ from vla_accel_ros.models.common import (
     Projector,
     build_vision,
     format_instruction,
+    interrupt_between_layers,
     make_tokenizer,
     preprocess_frames,
 )
@@ -75,17 +76,37 @@ class StageTimer:
 
 
 class VisionPrefix(nn.Module):
-    """Vision tower + projector: camera frames -> LM embeddings of the image tokens."""
+    """Vision tower + projector: camera frames -> LM embeddings of the image tokens (one per
+    patch; the :class:`~vla_accel_ros.models.vision.VisionTower` protocol for the vision cache)."""
 
     def __init__(self, spec: BundleSpec, lm_hidden: int) -> None:
         super().__init__()
-        self.vision = build_vision(spec.vision)
+        self.vision = interrupt_between_layers(build_vision(spec.vision))
         self.projector = Projector(self.vision.config.hidden_size, lm_hidden)
+        self.num_patches = self.num_tokens = spec.grid * spec.grid
+        self.out_dim = lm_hidden
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels: [C, 3, S, S] -> [C, G*G, H]"""
         feats = self.vision(pixel_values=pixels).last_hidden_state
         return self.projector(feats)
+
+    @property
+    def encoder_layers(self) -> nn.ModuleList:
+        return self.vision.encoder.layers
+
+    def patch_embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.vision.embeddings(pixels)
+
+    def post_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vision.post_layernorm(x)
+
+    @staticmethod
+    def token_patches(tokens: torch.Tensor) -> torch.Tensor:
+        return tokens  # one patch per token
+
+    def project_tokens(self, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.projector(feats[tokens])
 
 
 _INSTANCES = itertools.count()

@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from vla_accel_ros.core.errors import BundleError, ObservationError
+from vla_accel_ros.core.interrupt import check as check_interrupt
 from vla_accel_ros.core.robot.images import resize_rgb
 from vla_accel_ros.core.text import words_of
 
 # Language models the engine can drive, by the ``model_type`` a bundle names.
-_LM_TYPES = ("llama", "qwen2")
+_LM_TYPES = ("llama", "qwen2", "gemma")
 
 
 def _lm_classes(model_type: str):
@@ -32,6 +33,10 @@ def _lm_classes(model_type: str):
         from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
         return Qwen2Config, Qwen2Model, Qwen2ForCausalLM
+    if model_type == "gemma":  # (1 + w) RMSNorm, GeGLU, MQA: all inside its modules, which the engine drives as Llama's
+        from transformers import GemmaConfig, GemmaForCausalLM, GemmaModel
+
+        return GemmaConfig, GemmaModel, GemmaForCausalLM
     raise BundleError(f"lm.model_type={model_type!r} is not supported; use one of {', '.join(_LM_TYPES)}")
 
 
@@ -53,6 +58,21 @@ def build_decoder(spec: Mapping[str, Any], where: str, *, causal_lm: bool) -> nn
     _, base_cls, lm_cls = _lm_classes(cfg.model_type)
     return lm_cls(cfg) if causal_lm else base_cls(cfg)
 
+
+
+def interrupt_between_layers(tower: nn.Module) -> nn.Module:
+    """A tower that transformers runs in one call (SigLIP, SmolVLM vision) stops before each of
+    its layers once the node running it is ending (:mod:`vla_accel_ros.core.interrupt`; the
+    engine's own layer loops check directly). Forward pre-hooks, so the stock modules stay as
+    they are."""
+    for name, module in tower.named_modules():
+        if re.search(r"(^|\.)layers\.\d+$", name):
+            module.register_forward_pre_hook(_check_interrupt)
+    return tower
+
+
+def _check_interrupt(module: nn.Module, args: tuple) -> None:
+    check_interrupt()
 
 def build_vision(spec: Mapping[str, Any]) -> nn.Module:
     from transformers import SiglipVisionConfig, SiglipVisionModel

@@ -30,6 +30,7 @@ _MODULES = {
     "ar": "vla_accel_ros.models.ar",
     "flow": "vla_accel_ros.models.flow",
     "smolvla": "vla_accel_ros.models.smolvla",
+    "pi0": "vla_accel_ros.models.pi0",
 }
 
 
@@ -61,7 +62,9 @@ class Family:
     * ``pipelines``: its policy pipelines decoding across frames (ActionFlow; ``policy.pipeline()``);
     * ``trainable``: ``vla-accel train`` can train it from bags (``default_chunk_size``).
 
-    Families with random-weight demo bundles also define ``demo_spec(size, **kwargs)``.
+    Families with random-weight demo bundles also define ``demo_spec(size, **kwargs)``; families
+    whose checkpoints LeRobot saves define ``import_lerobot(policy_dir, out, **options)`` (the
+    family's name is LeRobot's policy ``type``).
     """
 
     name = ""

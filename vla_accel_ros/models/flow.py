@@ -100,12 +100,21 @@ class FlowPolicy(PolicyBase):
         then stored as attention reads them, instead of the whole prefix being cast to bf16 at
         every Euler step."""
         low = [self.precision.bf16_attention_above(c) for c in ("lm", "expert")]
-        return torch.bfloat16 if None not in low and self.spec.chunk_size > low[1] else torch.float32
+        return torch.bfloat16 if None not in low and self.suffix_len > low[1] else torch.float32
+
+    @property
+    def suffix_len(self) -> int:
+        """Rows the expert computes per Euler step (after the prefix)."""
+        return self.spec.chunk_size
+
+    def suffix_embeddings(self, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+        """The expert's input rows for the noisy chunk at flow time t.  x_t: [B, H, D] -> [B, n, W]"""
+        return self.model.suffix_embeddings(x_t, t)
 
     def _build_engines(self) -> None:
         """One cache: the VLM writes the prefix rows, the expert writes and reads the chunk rows."""
         self.expert_stack = DecoderStack(self.model.expert)
-        self.max_slots = self.max_prefix + self.spec.chunk_size
+        self.max_slots = self.max_prefix + self.suffix_len
         self.cache = self.vlm_stack.make_cache(self.max_slots, dtype=self.kv_dtype())
         self.vlm_engine = self.make_engine(self.vlm_stack, self.cache, self.max_slots)
         self.expert_engine = self.make_engine(self.expert_stack, self.cache, self.max_slots, component="expert")
@@ -210,28 +219,30 @@ class FlowPolicy(PolicyBase):
         plan = plan or self.expert_plan(length)
         if differentiable:
             with torch.enable_grad():
-                out = self.expert_engine.forward(self.model.suffix_embeddings(x_t, t), plan, differentiable=True)
+                out = self.expert_engine.forward(self.suffix_embeddings(x_t, t), plan, differentiable=True)
                 return self.model.action_out(out.hidden)
         with torch.inference_mode():
-            out = self.expert_engine.forward(self.model.suffix_embeddings(x_t, t), plan)
+            out = self.expert_engine.forward(self.suffix_embeddings(x_t, t), plan)
             return self.model.action_out(out.hidden)
+
+    def flow_times(self) -> list[float]:
+        """The flow times of the Euler steps, from t = 1 towards 0."""
+        dt = 1.0 / self.num_steps
+        return [1.0 - i * dt for i in range(self.num_steps)]
 
     def denoise(self, noise: torch.Tensor, length: int, guidance: ChunkGuidance | None = None) -> torch.Tensor:
         """Euler from t=1 to t=0, optionally with Real-Time Chunking guidance.  -> [1, H, D]"""
-        steps = self.num_steps
-        dt = 1.0 / steps
+        dt = 1.0 / self.num_steps
         x = noise
         plan = self.expert_plan(length)
         if guidance is None:
-            for i in range(steps):
-                t = 1.0 - i * dt
+            for t in self.flow_times():
                 x = x - dt * self.velocity(x, t, length, plan=plan)
             return x
         if self.precision.expert == "int8":
             raise ConfigError("Real-Time Chunking guidance differentiates the expert; precision.expert=int8 has no backward (use bf16)")
         y, w = self._guidance_targets(guidance)
-        for i in range(steps):
-            t = 1.0 - i * dt
+        for t in self.flow_times():
             x_in = x.detach().requires_grad_(True)
             v = self.velocity(x_in, t, length, differentiable=True, plan=plan)
             with torch.enable_grad():

@@ -233,7 +233,9 @@ def format_summary(s: dict[str, object]) -> str:
     if pol:
         lines.append(
             f"policy      ready={pol.get('ready')}, {pol.get('chunks', 0)} chunks, inference p50 {_ms(pol.get('infer_p50_ms'))}, "
-            f"obs->chunk p50 {_ms(pol.get('latency_p50_ms'))}, errors {pol.get('errors', 0)}"
+            f"obs->chunk p50 {_ms(pol.get('latency_p50_ms'))}, observation age at inference start "
+            f"p50/max {_ms(pol.get('obs_age_p50_ms'))}/{_ms(pol.get('obs_age_max_ms'))}, errors {pol.get('errors', 0)}"
+            + (f", dropped {pol['dropped']}" if pol.get("dropped") else "")
         )
     if ctl:
         cmds = int(ctl.get("commands", 0))

@@ -11,6 +11,13 @@ nodes run in one process (``observation_transport: shared``). Frames that cannot
 dropped with a throttled warning and counted in ``/diagnostics``; the node keeps running. A
 frame stamped more than ``max_future_ms`` ahead of the node's clock is dropped before it is
 decoded (``future_stamp``): a camera with a wrong clock must not date observations in the future.
+
+Frames of several cameras are decoded in parallel; each is then handed to the assembler with the
+clock read under the assembler's lock, so the assembler sees its clock in the order frames reach
+it (read before decoding, a frame that decoded faster would make the clock look as if it jumped
+back, and the assembler would forget every frame it holds). ``/diagnostics`` names a camera that
+has sent no new frame for ``max_age_ms`` (WARN) or ``silent_error_s`` (ERROR), or that re-sends one
+stamp; OK again once it streams.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from vla_accel_ros.core.robot.images import ImageError
 from vla_accel_ros.core.robot.observation import AssembledObservation, ObservationAssembler, SharedChannels
 from vla_accel_ros.msg import Observation as ObservationMsg
 from vla_accel_ros.ros import graph, qos
-from vla_accel_ros.ros.common import OK, WARN, DropCounter, diagnostics, spin_node, status
+from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status
 from vla_accel_ros.ros.conversions import ImageConverter, observation_to_msg, stamp_to_ns
 from vla_accel_ros.ros.params import ConfigParameters
 
@@ -101,7 +108,9 @@ class CameraNode(Node):
             return
         with self._lock:
             self.frames[camera] += 1
-            obs = self.assembler.add(camera, rgb, stamp, now)  # a clock that jumped back starts over
+            # The clock is read here, in the order frames are added: a clock that jumped back
+            # (sim time restarted) makes the assembler start over, a decode that ran long must not.
+            obs = self.assembler.add(camera, rgb, stamp, self.get_clock().now().nanoseconds)
             if obs is not None:
                 self.observations += 1
         if obs is not None:
@@ -115,16 +124,21 @@ class CameraNode(Node):
 
     # -- diagnostics --------------------------------------------------------------------------
     def _publish_diagnostics(self) -> None:
+        error_ns = int(self.params.config.silent_error_s * 1e9)
         with self._lock:
-            missing = self.assembler.missing()
+            cams = self.assembler.health(self.get_clock().now().nanoseconds, error_ns=error_ns)
             reject = self.assembler.last_reject
             rejects = dict(self.assembler.rejects)
+        bad = [c for c in cams if c.level != "ok"]
         level, message = OK, "streaming"
-        if missing:
-            level, message = WARN, f"no frames yet from {', '.join(missing)}"
+        if bad:  # the cameras by name, each with what is wrong
+            level = ERROR if any(c.level == "error" for c in bad) else WARN
+            message = "; ".join(f"{c.camera}: {c.message}" for c in bad)
         elif reject:
             level, message = WARN, reject
         values: dict[str, object] = {f"frames {c}": self.frames[c] for c in self.assembler.cameras}
+        values.update({f"ms since new frame {c.camera}": c.since_new_ms for c in cams})
+        values.update({f"re-sent frames {c.camera}": c.resent for c in cams})
         values.update({"observations": self.observations, "dropped": self.drops.total})
         values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
         values.update({f"rejected {k}": v for k, v in rejects.items()})

@@ -64,6 +64,11 @@ READY = "~/ready"
 RESET_EPISODE = "~/reset_episode"
 ENABLE = "~/enable"
 
+# The package's recorder (``vla_accel_ros.ros.recorder``, executable ``recorder``): rosbag2's MCAP
+# format without rosbag2.
+RECORDER = "vla_recorder"
+RECORDER_MODULE = f"{PACKAGE}.ros.recorder"
+
 CAMERA, POLICY, CONTROLLER, SIM, SYNTHETIC = (
     "camera_node",
     "policy_node",
@@ -102,6 +107,12 @@ class Graph:
         ns = f"/{self.namespace}" if self.namespace else ""
         return list(dict.fromkeys(t if t.startswith("/") else f"{ns}/{t}" for t in self.record_topics))
 
+    def recorder_parameters(self, out: str | os.PathLike) -> dict[str, Any]:
+        """Parameters of the package's recorder node (:data:`RECORDER`) for this graph: the
+        recording list into the bag ``out``, on the graph's clock. ``vla-accel bringup --record``
+        starts it, and ``aloha.launch.py record:=true`` where ``ros2 bag`` is not installed."""
+        return {"out": str(out), "topics": self.resolved_record_topics(), "clock": "sim" if self.use_sim_time else "wall"}
+
     def with_parameters(self, overrides: Mapping[str, Mapping[str, Any]]) -> "Graph":
         """A copy with extra parameters per node name (e.g. from a test or a CLI flag)."""
         unknown = set(overrides) - {n.name for n in self.nodes}
@@ -124,7 +135,13 @@ def _spec(name: str, cls: str, parameters: dict[str, Any], **kw: Any) -> NodeSpe
 
 
 # The parameter file, read the way rcl reads it: ROS-free, so the evaluation reads it too.
-from vla_accel_ros.core.params_file import default_params_file, load_params, node_parameters  # noqa: E402
+from vla_accel_ros.core.params_file import (  # noqa: E402
+    default_params_file,
+    fully_qualified_name,
+    load_params,
+    node_parameters,
+    unmatched_sections,
+)
 
 
 # -- the description --------------------------------------------------------------------------------
@@ -182,6 +199,12 @@ def describe(
             notes.append("the bundle's joint_names differ from robot.joint_names in the parameter file; the policy will refuse it")
     if sim or synthetic_camera:
         controller["safety.start_enabled"] = True
+    for name in (CAMERA, POLICY, CONTROLLER, *((SIM,) if sim else ()), *((SYNTHETIC,) if synthetic_camera else ())):
+        for section in unmatched_sections(params, name, namespace):
+            notes.append(
+                f"{params_path.name}: section {section!r} does not apply to {fully_qualified_name(name, namespace)} "
+                f"(rcl reads it as an absolute name); name it '/**/{name}' to apply it in any namespace"
+            )
 
     nodes = [
         _spec(CAMERA, "CameraNode", camera),

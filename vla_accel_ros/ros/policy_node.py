@@ -34,6 +34,7 @@ from std_srvs.srv import Trigger
 from vla_accel_ros.core.bundle import BundleSpec, read_spec
 from vla_accel_ros.core.config import changed_fields, flatten
 from vla_accel_ros.core.errors import ConfigError, VlaAccelError
+from vla_accel_ros.core.interrupt import Interrupted
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig
 from vla_accel_ros.core.robot.inference import InferenceWorker, Request, Served
@@ -52,6 +53,11 @@ from vla_accel_ros.ros.conversions import (
     stats_to_msg,
 )
 from vla_accel_ros.ros.params import ConfigParameters
+
+
+# How long close() waits for the worker. ros2 launch escalates to SIGTERM 5 s after SIGINT; an
+# inference stops at its next layer, so this is only reached by a step outside the layers.
+CLOSE_WAIT_S = 3.0
 
 
 class PolicyNode(Node):
@@ -168,7 +174,10 @@ class PolicyNode(Node):
             except (OSError, AttributeError) as e:
                 self.get_logger().warning(f"worker_nice {nice} not applied: {e}")
         try:
-            self._load()
+            with self.worker.interruptible():  # the parity gate and warm-up infer: Ctrl-C stops them
+                self._load()
+        except Interrupted:
+            return  # closed while loading
         except Exception as e:  # noqa: BLE001 - any load failure: report, stay up, never command
             self.failure = f"{type(e).__name__}: {e}"
             self.get_logger().error(f"the policy did not start: {self.failure}")
@@ -228,14 +237,18 @@ class PolicyNode(Node):
             "errors": w.errors,
             "latency_p50_ms": w.latency.get(50),
             "infer_p50_ms": w.infer_ms.get(50),
+            "obs_age_p50_ms": w.obs_age_ms.get(50),  # the observation's age when its inference started
+            "obs_age_max_ms": w.obs_age_ms.max,
+            "dropped": self.drops.snapshot(),  # inputs not used (stale_observation, ...), since the node started
         }
 
     def close(self) -> None:
-        """Stop the worker (it finishes the inference in progress)."""
+        """Stop the worker: the inference (or load) in progress stops at its next layer, well
+        within the time ``ros2 launch`` gives a node after Ctrl-C."""
         self.worker.stop()
-        self._thread.join(timeout=10.0)
-        if self._thread.is_alive():  # a load in progress: it returns without publishing once done
-            self.get_logger().warning("closing while the policy loads; the worker ends when the load returns")
+        self._thread.join(timeout=CLOSE_WAIT_S)
+        if self._thread.is_alive():  # e.g. reading the weights: it returns without publishing once done
+            self.get_logger().warning(f"the worker did not stop within {CLOSE_WAIT_S:g} s; closing without it")
         if self._announce in self.channel.listeners:
             self.channel.listeners.remove(self._announce)
 

@@ -215,8 +215,17 @@ class TokenCachePlanner:
 
     def _select(self, lay: PrefixLayout, patches: torch.Tensor, norms: torch.Tensor, recompute: torch.Tensor | None) -> Selection:
         cfg, L, T = self.config, lay.num_layers, lay.tokens_per_camera
-        sim = sel.cosine(patches, norms, self._ref, self._ref_norm)  # [C, T]
-        change = sel.relative_change(patches, self._ref, self._ref_norm)  # [C, T]
+        if lay.static_patch and lay.static_patch < lay.patch_size:
+            # A token of several vision patches: each patch compared, the token as its least
+            # similar patch (static only when every one of them is).
+            new = sel.sub_patches(patches, lay.patch_size, lay.static_patch)
+            ref = sel.sub_patches(self._ref, lay.patch_size, lay.static_patch)
+            ref_norm = sel.patch_norms(ref)
+            sim = sel.cosine(new, sel.patch_norms(new), ref, ref_norm).amin(-1)  # [C, T]
+            change = sel.relative_change(new, ref, ref_norm).amax(-1)  # [C, T]
+        else:
+            sim = sel.cosine(patches, norms, self._ref, self._ref_norm)  # [C, T]
+            change = sel.relative_change(patches, self._ref, self._ref_norm)  # [C, T]
         # Static means the pixels did not change: the cosine alone is blind to a change of scale
         # (exposure, gain), so the relative change must be small too.
         static = (sim >= cfg.sim_threshold) & (change <= cfg.max_relative_change)
@@ -282,6 +291,8 @@ class TokenCachePlanner:
     def _stats(self, s: Selection, fixed_reused: int) -> dict:
         return {
             "static_tokens": int(s.static.sum()),
+            # static tokens of cameras without a scene cut: what the eviction, age and cap choose from
+            "candidate_tokens": int((s.static & ~s.scene_cut[:, None]).sum()),
             "evicted_tokens": int(s.evicted.sum()),
             "capped_tokens": int(s.capped.sum()),
             "max_age_recomputed": int(s.aged.sum()),

@@ -21,6 +21,15 @@ def patch_norms(patches: torch.Tensor) -> torch.Tensor:
     return patches.norm(dim=-1)  # [C, T]
 
 
+def sub_patches(patches: torch.Tensor, patch: int, sub: int) -> torch.Tensor:
+    """[C, T, p*p*3] (tokens of ``patch`` pixels) -> [C, T, (p/s)^2, s*s*3]: each token's
+    ``sub`` x ``sub`` pixel blocks (the vision patches it merges), row-major."""
+    C, T, _ = patches.shape
+    n = patch // sub
+    x = patches.reshape(C, T, n, sub, n, sub, 3).permute(0, 1, 2, 4, 3, 5, 6)  # [C, T, n, n, s, s, 3]
+    return x.reshape(C, T, n * n, sub * sub * 3)
+
+
 def cosine(new: torch.Tensor, new_norm: torch.Tensor, ref: torch.Tensor, ref_norm: torch.Tensor) -> torch.Tensor:
     """Raw-pixel cosine similarity per patch.  -> [C, T]
 

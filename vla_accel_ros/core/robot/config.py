@@ -102,7 +102,12 @@ class RobotConfig(Config):
 # and the policy node split them (CameraConfig, PolicyNodeConfig), replay and evaluation take
 # them together (SyncConfig).
 def _max_age_ms() -> float:
-    return param(100.0, doc="an observation's oldest frame may be at most this old", range=(1.0, 60_000.0))
+    return param(
+        100.0,
+        doc="an observation's oldest frame may be at most this old when it is assembled (camera node), when a chunk "
+        "is requested for it (controller) and when its inference starts (policy node); keep the nodes' values equal",
+        range=(1.0, 60_000.0),
+    )
 
 
 def _max_skew_ms() -> float:
@@ -154,6 +159,10 @@ class CameraConfig(Config):
         "before decoding", range=(1, MAX_SIDE * MAX_SIDE),
     )  # fmt: skip
     warn_throttle_s: float = param(2.0, doc="at most one warning per reason per this many seconds", range=(0.0, 3600.0))
+    silent_error_s: float = param(
+        3.0, doc="/diagnostics: ERROR for a camera that has sent no new frame (a newer stamp) for this long; WARN from "
+        "max_age_ms on (ERROR never before WARN)", range=(0.01, 3600.0),
+    )  # fmt: skip
 
     def validate(self) -> None:
         if len(set(self.cameras)) != len(self.cameras) or not self.cameras:
@@ -208,11 +217,13 @@ class PolicyNodeConfig(Config):
         0, doc="pipelined: decode steps per frame (0: what the depth needs, ceil(action tokens / depth))",
         range=(0, 100_000), read_only=True,
     )  # fmt: skip
+    max_age_ms: float = _max_age_ms()
     max_state_age_ms: float = _max_state_age_ms()
     max_future_ms: float = _max_future_ms()
     request_wait_ms: float = param(
-        100.0, doc="how long a request waits for the observation it names before using the newest", range=(0.0, 10_000.0)
-    )
+        100.0, doc="how long a request waits for the observation it names before using the newest (and, when the one "
+        "it names is older than max_age_ms at inference start, for a fresh one)", range=(0.0, 10_000.0),
+    )  # fmt: skip
     observation_transport: str = param(
         "topic", doc="topic or shared (must match the camera node)", choices=("topic", "shared"), read_only=True
     )
@@ -344,6 +355,7 @@ class CommandConfig(Config):
 class ControllerConfig(Config):
     request_chunks: bool = param(True, doc="send ChunkRequests (with RTC guidance) when the scheduler wants a chunk")
     diagnostics_period_s: float = param(1.0, doc="period of /diagnostics", range=(0.05, 3600.0), read_only=True)
+    max_age_ms: float = _max_age_ms()
     max_future_ms: float = _max_future_ms()
     realtime_priority: int = param(
         0, doc="SCHED_FIFO priority (1-99) of the control loop's threads, so nothing else on the machine delays a "

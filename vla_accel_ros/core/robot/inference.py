@@ -18,6 +18,12 @@ ask whether an instruction fits).
 * ``trigger: pipelined`` (ar bundles): the newest observation, each one once, pushed into
   ActionFlow's pipeline (:class:`~vla_accel_ros.models.pipeline.PipelinedAr`); each push hands
   back the chunks whose decode completed, stamped with their own observations.
+
+Whatever the trigger, an observation older than ``max_age_ms`` when its inference would start is
+not used (dropped as ``stale_observation``): a request is then served by a newer observation that
+is fresh (waiting up to ``request_wait_ms`` for one; ``superseded``) or not at all, and the
+controller holds on its watchdog. The age of each inference's observation at its start is kept
+(``obs_age_ms``) for diagnostics and the bringup summary.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any, Callable
 
 from vla_accel_ros.core.config import changed_fields, flatten
 from vla_accel_ros.core.errors import ConfigError, ObservationError, VlaAccelError
+from vla_accel_ros.core.interrupt import Interrupted, interruptible
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig
 from vla_accel_ros.core.robot.loop_stats import Percentiles
@@ -100,6 +107,7 @@ class InferenceWorker:
         self.motion_mode = COARSE
         self.chunks = self.superseded = self.resets_total = 0  # superseded: served with a newer observation
         self.latency, self.infer_ms = Percentiles(), Percentiles()
+        self.obs_age_ms = Percentiles()  # the observation's age when its inference started
         self.staleness_ms = Percentiles()  # pipelined: the pipeline's compute from push to chunk
         # Liveness, on the monotonic clock (sim time may stand still during an inference).
         self.errors = 0  # loop steps that raised (counted, logged; the loop goes on)
@@ -161,8 +169,15 @@ class InferenceWorker:
         self.motion_mode = int(mode)
 
     def stop(self) -> None:
+        """End :meth:`run`: an inference in progress stops at its next layer (and a load or
+        warm-up run inside :meth:`interruptible`)."""
         self._stop.set()
         self.requests.put(Request(-1, -1, COARSE))  # wake a worker waiting for one
+
+    def interruptible(self):
+        """Context for work on the worker's thread that :meth:`stop` interrupts between two
+        layers (:class:`~vla_accel_ros.core.interrupt.Interrupted`): inference, the model's load."""
+        return interruptible(self._stop)
 
     @property
     def stopped(self) -> bool:
@@ -173,7 +188,7 @@ class InferenceWorker:
 
     def reset_counts(self) -> None:
         self.chunks = self.errors = 0
-        self.latency, self.infer_ms = Percentiles(), Percentiles()
+        self.latency, self.infer_ms, self.obs_age_ms = Percentiles(), Percentiles(), Percentiles()
 
     def since_last_chunk_s(self) -> float:
         """Seconds since the last chunk (since the worker started when there was none)."""
@@ -213,6 +228,8 @@ class InferenceWorker:
             "inference ms p50": self.infer_ms.get(50),
             "obs-to-chunk ms p50": self.latency.get(50),
             "obs-to-chunk ms p95": self.latency.get(95),
+            "observation age at start ms p50": self.obs_age_ms.get(50),
+            "observation age at start ms max": self.obs_age_ms.max,
             "cache resets": self.resets_total,
             "motion mode": MODE_NAMES.get(self.motion_mode, "?"),
             "requests overwritten": self.requests.overwritten,
@@ -228,7 +245,8 @@ class InferenceWorker:
         """The worker thread, until :meth:`stop`: apply what was set, take the next job, infer,
         hand the result to ``publish``. A step that raises (a planner that fails to build, a
         bug, bad input) is counted in ``errors`` and logged (with its traceback once per type
-        when it is not one of the package's own errors); the loop goes on."""
+        when it is not one of the package's own errors); the loop goes on. :meth:`stop` ends it
+        within one layer of the inference in progress, which publishes nothing."""
         while not self.stopped:
             try:
                 self.apply(take_pending())
@@ -236,10 +254,16 @@ class InferenceWorker:
                 if job is None or self.stopped:
                     continue
                 self.busy_since = time.monotonic()
-                served = self.infer(job, now_ns)
+                with self.interruptible():
+                    served = self.infer(job, now_ns)
                 self.busy_since = None
                 for one in served if isinstance(served, list) else ([] if served is None else [served]):
+                    if self.stopped:  # the node may be closing its publishers
+                        return
                     publish(one)
+            except Interrupted:
+                self.busy_since = None
+                return
             except Exception as e:  # noqa: BLE001 - one bad step must not stop the worker
                 self.busy_since = None
                 self.errors += 1
@@ -325,9 +349,38 @@ class InferenceWorker:
             )
         return Job(latest[1], latest[0], req.request_id, None, req.motion_mode)
 
+    def fresh(self, job: Job, now_ns: Callable[[], int]) -> tuple[Job, float] | None:
+        """(``job``, its observation's age in ms) when that is at most ``max_age_ms`` now; else
+        (dropped as ``stale_observation``) a request's job on the newest observation if that one
+        is fresh, after waiting up to ``request_wait_ms`` for a newer one; None when none is."""
+        limit_ns = self.cfg.max_age_ms * 1e6
+        age_ns = now_ns() - job.stamp_ns
+        if age_ns <= limit_ns:
+            return job, age_ns / 1e6
+        why = f"{age_ns / 1e6:.0f} ms old at inference start > max_age_ms {self.cfg.max_age_ms:g}"
+        self._drop("stale_observation", f"observation {job.stamp_ns} is {why}")
+        if self.cfg.trigger != "request":
+            return None  # the next observation makes the next job
+        latest = self.channel.latest()
+        if latest is None or now_ns() - latest[0] > limit_ns:
+            self.channel.wait_newer(self.channel.seq, self.cfg.request_wait_ms / 1e3)
+            latest = self.channel.latest()
+        age_ns = float("inf") if latest is None else now_ns() - latest[0]
+        if age_ns > limit_ns:
+            return None  # nothing fresh: no chunk; the controller holds, then asks for a fresh one
+        self.superseded += 1
+        if job.guidance is not None:
+            self._drop("guidance_dropped", f"request {job.request_id}: served by a fresh observation without guidance")
+        return Job(latest[1], latest[0], job.request_id, None, job.motion_mode), age_ns / 1e6
+
     def infer(self, job: Job, now_ns: Callable[[], int]) -> Served | list[Served] | None:
-        """One inference on ``job`` (None: its state was rejected, and dropped with the reason;
-        pipelined: the chunks this push completed, maybe none)."""
+        """One inference on ``job`` (None: its observation was too old or its state was
+        rejected, and dropped with the reason; pipelined: the chunks this push completed, maybe
+        none)."""
+        fresh = self.fresh(job, now_ns)
+        if fresh is None:
+            return None
+        job, age_ms = fresh
         policy = self.policy
         with self.lock:
             state = self.state.state_for(job.stamp_ns) if policy.spec.state_dim else None
@@ -336,6 +389,7 @@ class InferenceWorker:
         if policy.spec.state_dim and state is None:
             self._drop(reason, why)
             return None
+        self.obs_age_ms.add(age_ms)
         mode = MODE_NAMES.get(self.motion_mode if job.motion_mode is None else job.motion_mode, "coarse")
         policy.set_motion_mode(mode)
         obs = Observation(images=job.obs.images, instruction=self.instruction_text(), stamp_ns=job.stamp_ns, state=state, episode=episode)

@@ -58,11 +58,14 @@ class Percentiles:
     def __init__(self, window: int = 200) -> None:
         self._x: deque[float] = deque(maxlen=window)
         self.count = 0
+        self.max = float("nan")  # of every sample, not only the window's
 
     def add(self, value: float) -> None:
         if np.isfinite(value):
             self._x.append(float(value))
             self.count += 1
+            if not value <= self.max:  # (nan before the first sample)
+                self.max = float(value)
 
     def get(self, q: float) -> float:
         if not self._x:

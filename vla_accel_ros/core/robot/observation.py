@@ -1,6 +1,7 @@
 """The one observation rule, and the latest-only hand-offs between threads.
 
-An observation is made when every camera has delivered a frame not used before; it is stamped
+An observation is made when every camera has delivered a frame not used before (a frame whose
+stamp is not newer than the camera's previous one is the same frame re-sent: ignored); it is stamped
 with the OLDEST frame's stamp (actions are at least as old as their oldest pixel); it is
 rejected when its frames are too skewed (``max_skew``) or too old (``max_age``); a frame
 stamped more than ``max_future`` ahead of the clock is never kept (it would date observations,
@@ -44,6 +45,17 @@ class Frame:
 
 
 @dataclass
+class CameraHealth:
+    """One camera as :meth:`ObservationAssembler.health` sees it."""
+
+    camera: str
+    level: str  # "ok" | "warn" (no new frame for max_age) | "error" (none for the caller's error time)
+    message: str  # '' when ok: "no frames yet", "no new frame for 1.2 s", "re-sending one stamp for 1.2 s (36 frames)"
+    since_new_ms: float  # since the camera's newest new frame arrived (nan: none yet)
+    resent: int  # frames re-sent with a stamp already seen, since the start (or the last reset)
+
+
+@dataclass
 class AssembledObservation:
     images: dict[str, np.ndarray]  # camera -> [H, W, 3] uint8, in the configured camera order
     stamp_ns: int  # the OLDEST frame's stamp: actions are at least as old as their oldest pixel
@@ -63,8 +75,12 @@ class ObservationAssembler:
     When a set is complete but too old or too skewed, :meth:`assemble` returns None and
     :attr:`last_reject` says why; newer frames replace the offending ones as they arrive. A
     frame stamped more than ``max_future_ns`` ahead of ``now`` is not kept at all
-    (:meth:`too_new`; counted as ``future``). ``image_size`` (0: keep) is the square size
-    :meth:`prepare` resizes frames to.
+    (:meth:`too_new`; counted as ``future``), nor is one stamped no later than the camera's
+    previous frame (the same frame re-sent by a stuck driver; counted as ``repeated``).
+    ``image_size`` (0: keep) is the square size :meth:`prepare` resizes frames to.
+
+    :meth:`health` says per camera whether it streams: when its newest new frame arrived (on
+    the caller's clock) and whether it re-sends one stamp.
     """
 
     def __init__(
@@ -79,8 +95,12 @@ class ObservationAssembler:
         self._used: dict[str, int] = {}  # camera -> seq of the frame in the last observation
         self._seq = 0
         self._last_now: int | None = None
+        self._new_at: dict[str, int] = {}  # camera -> now_ns when its newest new frame arrived
+        self._sent_at: dict[str, int] = {}  # ... and its newest frame, re-sent or not
+        self._resent: dict[str, int] = {}  # camera -> frames re-sent with an old stamp (all, and in a row)
+        self._resent_run: dict[str, int] = {}
         self.last_reject = ""
-        self.rejects: dict[str, int] = {"stale": 0, "skew": 0, "future": 0}
+        self.rejects: dict[str, int] = {"stale": 0, "skew": 0, "future": 0, "repeated": 0}
 
     def set_limits(self, *, max_age_ns: int, max_skew_ns: int, max_future_ns: int) -> None:
         self.max_age_ns, self.max_skew_ns, self.max_future_ns = int(max_age_ns), int(max_skew_ns), int(max_future_ns)
@@ -103,7 +123,8 @@ class ObservationAssembler:
 
     def add(self, camera: str, image: np.ndarray, stamp_ns: int, now_ns: int) -> AssembledObservation | None:
         """One prepared frame in; the observation it completes, if any. A clock that jumped
-        back (sim time restarted, a bag looped) forgets every frame first."""
+        back (sim time restarted, a bag looped) forgets every frame first, so callers on several
+        threads read their clock and call this in one order (under one lock)."""
         if self._last_now is not None and now_ns < self._last_now:
             self.reset()
         self._last_now = int(now_ns)
@@ -112,14 +133,26 @@ class ObservationAssembler:
             self.rejects["future"] += 1
             self.last_reject = why
             return None
-        self.put(camera, image, stamp_ns)
+        self._sent_at[camera] = int(now_ns)
+        if not self.put(camera, image, stamp_ns):
+            return None
+        self._new_at[camera] = int(now_ns)
         return self.assemble(now_ns)
 
-    def put(self, camera: str, image: np.ndarray, stamp_ns: int) -> None:
+    def put(self, camera: str, image: np.ndarray, stamp_ns: int) -> bool:
+        """Keep ``image`` as ``camera``'s latest frame; False (counted, not kept) when its stamp
+        is not newer than the frame held: the camera re-sent a frame."""
         if camera not in self.cameras:
             raise KeyError(f"unknown camera {camera!r}; configured: {', '.join(self.cameras)}")
         prev = self._latest.get(camera)
+        if prev is not None and int(stamp_ns) <= prev.stamp_ns:
+            self.rejects["repeated"] += 1
+            self._resent[camera] = self._resent.get(camera, 0) + 1
+            self._resent_run[camera] = self._resent_run.get(camera, 0) + 1
+            return False
+        self._resent_run[camera] = 0
         self._latest[camera] = Frame(image, int(stamp_ns), 0 if prev is None else prev.seq + 1)
+        return True
 
     def missing(self) -> list[str]:
         return [c for c in self.cameras if c not in self._latest]
@@ -149,10 +182,34 @@ class ObservationAssembler:
         self.last_reject = why
         return None
 
+    def health(self, now_ns: int, *, error_ns: int) -> list[CameraHealth]:
+        """Per camera, in order: "ok" while its newest new frame arrived at most ``max_age_ns``
+        before ``now_ns``, else "warn", and "error" beyond ``error_ns`` too; the message says
+        whether it sends nothing or re-sends one stamp (its frames arrive, their stamp does not move)."""
+        out = []
+        for cam in self.cameras:
+            new_at = self._new_at.get(cam)
+            resent, run = self._resent.get(cam, 0), self._resent_run.get(cam, 0)
+            if new_at is None:
+                out.append(CameraHealth(cam, "warn", "no frames yet", float("nan"), resent))
+                continue
+            since = int(now_ns) - new_at
+            level = "ok" if since <= self.max_age_ns else "error" if since > error_ns else "warn"
+            message = ""
+            if level != "ok":
+                re_sending = run and int(now_ns) - self._sent_at[cam] <= self.max_age_ns
+                message = (f"re-sending one stamp for {since / 1e9:.1f} s ({run} frames)" if re_sending
+                           else f"no new frame for {since / 1e9:.1f} s")  # fmt: skip
+            out.append(CameraHealth(cam, level, message, since / 1e6, resent))
+        return out
+
     def reset(self) -> None:
         """Forget every frame (a new episode, or the clock jumped back)."""
         self._latest.clear()
         self._used.clear()
+        self._new_at.clear()
+        self._sent_at.clear()
+        self._resent_run.clear()
         self._last_now = None
 
 
@@ -219,10 +276,11 @@ class ObservationBuilder:
         )  # fmt: skip
         self.state = None if robot is None else StateGate(robot, max_state_age_ns=int(c.max_state_age_ms * 1e6))
         self.episode, self.instruction = 0, ""
+        self.last_age_ns = 0  # of the latest observation made: now - its oldest frame's stamp
 
     @property
     def rejects(self) -> dict[str, int]:
-        """Observations not made, by reason (frames: stale, skew, future; state: no_state, stale_state)."""
+        """Observations not made, by reason (frames: stale, skew, future, repeated; state: no_state, stale_state)."""
         return {**self.frames.rejects, **(self.state.rejects if self.state is not None else {})}
 
     def begin_episode(self, episode: int) -> None:
@@ -247,6 +305,7 @@ class ObservationBuilder:
             state = self.state.state_for(obs.stamp_ns)
             if state is None:
                 return None
+        self.last_age_ns = obs.age_ns
         return Observation(
             images=obs.images, instruction=self.instruction, stamp_ns=obs.stamp_ns, state=state, episode=self.episode
         )

@@ -18,7 +18,8 @@ Every :meth:`ControlLoop.tick`:
    clock is dropped (it would plan the arm's motion from then on and stop all requests);
 6. when the scheduler wants a chunk and the policy announced an observation not asked for
    yet: an inference request for it (with Real-Time Chunking guidance when ``scheduler.rtc``);
-   an observation stamped in the future the same way is never asked for.
+   an observation stamped in the future the same way is never asked for, nor one older than
+   ``max_age_ms`` (a camera stopped: the loop waits for a fresh one, holding on its watchdog).
 
 The node converts messages, calls :meth:`tick` from its timer and sends the command through
 :meth:`send`. Enable and e-stop come from other threads (a service, a latched topic):
@@ -72,6 +73,7 @@ class ControlLoop:
         self._force_request = False
         self._last_now: int | None = None
         self._refused_stamp = -1  # the future observation stamp dropped last (counted once)
+        self._stale_stamp = -1  # the stale observation stamp not asked for last (counted once)
 
     # -- from other threads --------------------------------------------------------------------
     def set_estop(self, active: bool) -> bool:
@@ -250,6 +252,16 @@ class ControlLoop:
             return
         forced = self._force_request and self.scheduler.in_flight is None
         if not (forced or self.scheduler.wants_inference(now_ns)):
+            return
+        age_ns = int(now_ns) - int(obs_stamp_ns)
+        if age_ns > self.config.max_age_ms * 1e6:  # its inference would start later still
+            if obs_stamp_ns != self._stale_stamp:
+                self._stale_stamp = obs_stamp_ns
+                out.drops.append((
+                    "stale_observation",
+                    f"the newest observation is {age_ns / 1e6:.0f} ms old > max_age_ms {self.config.max_age_ms:g}: "
+                    "no request until a fresh one is announced",
+                ))  # fmt: skip
             return
         try:
             out.request = self.scheduler.request_inference(now_ns, obs_stamp_ns)

@@ -26,13 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.config import param
 from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.models.lerobot_compat import LeRobotOptions
 
-NORM_MODES = ("IDENTITY", "MEAN_STD", "MIN_MAX", "QUANTILES", "QUANTILE10")
-# The statistics each normalization mode reads (LeRobot's NormalizerProcessorStep).
-NORM_STATS = {"IDENTITY": (), "MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"),
-              "QUANTILE10": ("q10", "q90")}  # fmt: skip
 
 
 class LayerStep(NamedTuple):
@@ -44,11 +41,9 @@ class LayerStep(NamedTuple):
 
 
 @dataclass(frozen=True)
-class SmolVLAOptions(Config):
+class SmolVLAOptions(LeRobotOptions):
     """LeRobot SmolVLAConfig fields that change the forward pass, as a bundle stores them."""
 
-    max_state_dim: int = param(32, doc="the state is zero-padded to this size before state_proj", range=(1, 4096))
-    max_action_dim: int = param(32, doc="actions (and the noise) are this wide inside the model; the first action_dim are used", range=(1, 4096))
     attention_mode: str = param("cross_attn", doc="LeRobot attention_mode: containing 'cross', the expert interleaves cross-attention layers")
     self_attn_every_n_layers: int = param(2, doc="in cross mode, VLM layers that are multiples of this are self-attention layers (<= 0: none)", range=(-1, 1024))
     num_expert_layers: int = param(-1, doc="expert depth (<= 0: the VLM's)", range=(-1, 1024))
@@ -57,11 +52,6 @@ class SmolVLAOptions(Config):
     global_image_token_id: int = param(-1, doc="id of <global-img> (from the tokenizer; -1: none)", range=(-1, 10_000_000))
     min_period: float = param(4e-3, doc="shortest period of the flow time's sine-cosine embedding", range=(1e-9, 1e9))
     max_period: float = param(4.0, doc="longest period of the flow time's sine-cosine embedding", range=(1e-9, 1e9))
-    state_norm: str = param("MEAN_STD", doc="normalization of the state (LeRobot NormalizationMode)", choices=NORM_MODES)
-    action_norm: str = param("MEAN_STD", doc="normalization of the actions (LeRobot NormalizationMode)", choices=NORM_MODES)
-    norm_eps: float = param(1e-8, doc="LeRobot's normalizer eps", range=(0.0, 1.0))
-    adapt_to_pi_aloha: bool = param(False, doc="convert the ALOHA state and actions to and from pi's joint space (LeRobot's flip and gripper maps)")
-    truncate_text: bool = param(True, doc="a prompt longer than max_text_tokens is cut there (LeRobot's tokenizer step truncates)")
 
     def validate(self) -> None:
         if self.min_period >= self.max_period:

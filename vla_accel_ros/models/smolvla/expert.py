@@ -16,9 +16,12 @@ written to the cache: each step recomputes them. Dropped (pruned) prefix tokens 
 the cache and masked out of every layer from the one that dropped them.
 
 The stock ``LlamaDecoderLayer`` modules are used as they are (norms, projections, MLP, the
-model's rotary embedding and ``apply_rotary_pos_emb``); attention goes through the package's
-kernel set (SDPA on CPU). ``forward`` mirrors :meth:`Engine.forward`'s signature so the flow
-policy's Euler and Real-Time Chunking loops drive it unchanged.
+model's rotary embedding and ``apply_rotary_pos_emb``). One step is :class:`ExpertStep`, a
+function of its inputs, so that ``precision.compile`` runs it as one torch.compile'd graph per
+prefix length (inductor, frozen weights, the attention inlined) like the engine's static
+steps; eager, its attention goes through the package's kernel set. ``forward`` mirrors
+:meth:`Engine.forward`'s signature so the flow policy's Euler and Real-Time Chunking loops
+drive it unchanged.
 """
 
 from __future__ import annotations
@@ -28,10 +31,70 @@ import sys
 import torch
 from torch import nn
 
+from vla_accel_ros.core.compiled import compile_settings
 from vla_accel_ros.core.engine import StepOutput, StepPlan, attention_dtype
+from vla_accel_ros.core.interrupt import check as check_interrupt
 from vla_accel_ros.core.kv_cache import KVCache
 from vla_accel_ros.kernels import get_kernels
+from vla_accel_ros.kernels.reference import attend_masked, attend_shared
 from vla_accel_ros.models.smolvla.configuration_smolvla import LayerStep
+
+
+class ExpertStep(nn.Module):
+    """One pass of the expert over the prefix.
+
+    forward(x [B, H, W], k_cache / v_cache [L, B, Hkv, S, D] (the VLM's), valid [L, S],
+    cross_k / cross_v [X, B, Hkv, S, D] (the cross-attention layers' K/V of the prefix), length
+    (static: the prefix's slots)) -> [B, H, W] the final normed hidden states."""
+
+    def __init__(self, expert: nn.Module, steps: list[LayerStep], cos: torch.Tensor, sin: torch.Tensor,
+                 bf16_attention_above: int | None, attend=None) -> None:  # fmt: skip
+        super().__init__()
+        self.layers, self.norm = expert.layers, expert.norm
+        self.steps = [s for s in steps if s.kind != "skip"]
+        self.cross_index = {s.vlm_layer: i for i, s in enumerate(s for s in self.steps if s.kind == "cross")}
+        attn = self.layers[0].self_attn
+        cfg = expert.config
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+        self.scaling = float(attn.scaling)
+        self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.register_buffer("cos", cos, persistent=False)  # [positions, D]
+        self.register_buffer("sin", sin, persistent=False)
+        self.bf16_attention_above = bf16_attention_above
+        self.attend = attend  # the kernel set's (eager); None: the reference inlined (compiled)
+
+    def forward(self, x, k_cache, v_cache, valid, cross_k, cross_v, length: int) -> torch.Tensor:
+        B, H, _ = x.shape
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        cos_self, sin_self = self.cos[length : length + H][None], self.sin[length : length + H][None]
+        cos_cross, sin_cross = self.cos[:H][None], self.sin[:H][None]
+        causal = torch.ones(H, H, dtype=torch.bool, device=x.device).tril()
+        dt = attention_dtype(self.bf16_attention_above, H, x.dtype) or x.dtype
+        for step in self.steps:
+            layer = self.layers[step.expert_layer]
+            attn = layer.self_attn
+            prefix_ok = valid[step.vlm_layer, :length]  # [P]: pruned tokens are not read
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(B, H, Hq, D).transpose(1, 2)  # [B, Hq, H, D]
+            if step.kind == "self":
+                k = attn.k_proj(h).view(B, H, Hkv, D).transpose(1, 2)
+                v = attn.v_proj(h).view(B, H, Hkv, D).transpose(1, 2)
+                q, k = self.apply_rope(q, k, cos_self, sin_self)
+                keys = torch.cat([k_cache[step.vlm_layer, :B, :, :length].to(dt), k.to(dt)], dim=2)
+                values = torch.cat([v_cache[step.vlm_layer, :B, :, :length].to(dt), v.to(dt)], dim=2)
+                mask = torch.cat([prefix_ok.expand(H, length), causal], dim=1)  # [H, P + H]
+                o = (self.attend or attend_masked)(q.to(dt), keys, values, mask, self.scaling)
+            else:
+                q, _ = self.apply_rope(q, q, cos_cross, sin_cross)
+                c = self.cross_index[step.vlm_layer]
+                keys, values = cross_k[c, :B, :, :length].to(dt), cross_v[c, :B, :, :length].to(dt)
+                if self.attend is not None:
+                    o = self.attend(q.to(dt), keys, values, prefix_ok.expand(H, length), self.scaling)
+                else:  # every row reads the same keys: one key mask, query heads stacked
+                    o = attend_shared(q.to(dt), keys, values, prefix_ok, self.scaling)
+            x = x + attn.o_proj(o.to(x.dtype).transpose(1, 2).reshape(B, H, Hq * D))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
 
 
 class ExpertEngine:
@@ -39,32 +102,30 @@ class ExpertEngine:
 
     def __init__(
         self, expert: nn.Module, steps: list[LayerStep], cache: KVCache, *, max_positions: int,
-        bf16_attention_above: int | None = None,
+        bf16_attention_above: int | None = None, compile: bool = False, backend: str = "inductor",
     ) -> None:  # fmt: skip
+        """``compile``: eager steps (not differentiable ones) run as a torch.compile'd graph
+        (``backend``: inductor, or another for tests that need no C++ toolchain)."""
         self.model = expert
-        self.layers = expert.layers
-        self.norm = expert.norm
-        self.steps = [s for s in steps if s.kind != "skip"]
         self.cache = cache
-        self.device = cache.k.device
-        attn = self.layers[0].self_attn
-        cfg = expert.config
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
-        self.scaling = attn.scaling
-        self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        probe = torch.empty(1, dtype=torch.float32, device=self.device)
-        cos, sin = expert.rotary_emb(probe, torch.arange(max_positions, device=self.device)[None])
-        self.cos, self.sin = cos[0].float(), sin[0].float()  # [positions, D]
-        self.kernels = get_kernels(self.device)
-        self.bf16_attention_above = bf16_attention_above
-        S = cache.max_slots
-        shape = (1, self.num_kv_heads, S, self.head_dim)
+        device = cache.k.device
+        probe = torch.empty(1, dtype=torch.float32, device=device)
+        cos, sin = expert.rotary_emb(probe, torch.arange(max_positions, device=device)[None])
+        self.step = ExpertStep(expert, steps, cos[0].float(), sin[0].float(), bf16_attention_above, get_kernels(device).attend)
+        self.steps = self.step.steps
+        self.num_heads, self.num_kv_heads, self.head_dim = self.step.num_heads, self.step.num_kv_heads, self.step.head_dim
+        self.scaling, self.apply_rope = self.step.scaling, self.step.apply_rope
         # The cross-attention layers' K/V of the prefix (normal tensors written in place, so a
         # differentiable step may read them).
-        self._cross = {s.vlm_layer: (torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device))
-                       for s in self.steps if s.kind == "cross"}  # fmt: skip
+        shape = (max(1, len(self.step.cross_index)), cache.k.shape[1], self.num_kv_heads, cache.max_slots, self.head_dim)
+        self.cross_k, self.cross_v = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
         self._prepared: tuple[int, int] | None = None  # (cache writes, prefix length) they hold
-        self._tril: dict[int, torch.Tensor] = {}
+        self.compiled = None
+        self.frozen = backend == "inductor" and device.type == "cpu"  # weights frozen into the graph (compile_settings)
+        if compile:
+            inline = ExpertStep(expert, steps, cos[0].float(), sin[0].float(), bf16_attention_above, attend=None)
+            self.compiled = torch.compile(inline, backend=backend, dynamic=False, fullgraph=True)
+        self.static_calls = 0  # forwards that took the compiled graph
 
     @property
     def num_layers(self) -> int:
@@ -73,58 +134,37 @@ class ExpertEngine:
     @torch.inference_mode()
     def _prepare(self, length: int) -> None:
         """The cross-attention layers' keys and values of the prefix's ``length`` slots."""
+        B = self.cache.k.shape[1]
         for step in self.steps:
             if step.kind != "cross":
                 continue
-            attn = self.layers[step.expert_layer].self_attn
-            ck, cv = self._cross[step.vlm_layer]
-            for src, proj, dst in ((self.cache.k, attn.k_proj, ck), (self.cache.v, attn.v_proj, cv)):
-                rows = src[step.vlm_layer, :1, :, :length].transpose(1, 2).reshape(1, length, -1).float()  # [1, P, Hkv*D]
-                out = proj(rows).view(1, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-                dst[:, :, :length] = out.to(dst.dtype)
+            attn = self.step.layers[step.expert_layer].self_attn
+            c = self.step.cross_index[step.vlm_layer]
+            for src, proj, dst in ((self.cache.k, attn.k_proj, self.cross_k), (self.cache.v, attn.v_proj, self.cross_v)):
+                rows = src[step.vlm_layer, :, :, :length].transpose(1, 2).reshape(B, length, -1).float()  # [B, P, Hkv*D]
+                out = proj(rows).view(B, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                dst[c, :, :, :length] = out.to(dst.dtype)
         self._prepared = (self.cache.writes, length)
 
     def forward(self, x: torch.Tensor, plan: StepPlan, *, differentiable: bool = False) -> StepOutput:
         """x: [1, H, W] the action tokens' embeddings; ``plan.slots`` start after the prefix
         (the flow policy's expert plan) -> the expert's final normed hidden states [1, H, W]."""
+        check_interrupt()  # a node that is ending stops its inference here (between two Euler steps)
         length = int(plan.slots[0])
         if self._prepared != (self.cache.writes, length):
             self._prepare(length)
+        c = self.cache
+        args = (c.k, c.v, c.valid, self.cross_k, self.cross_v, length)
         if differentiable:
             with torch.enable_grad():
-                return self._forward(x, length)
-        with torch.inference_mode():
-            return self._forward(x, length)
-
-    def _forward(self, x: torch.Tensor, length: int) -> StepOutput:
-        B, H, _ = x.shape
-        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        cos_self, sin_self = self.cos[length : length + H][None], self.sin[length : length + H][None]
-        cos_cross, sin_cross = self.cos[:H][None], self.sin[:H][None]
-        tril = self._tril.get(H)
-        if tril is None:
-            tril = self._tril[H] = torch.ones(H, H, dtype=torch.bool, device=self.device).tril()
-        low = attention_dtype(self.bf16_attention_above, H, x.dtype)
-        dt = low or torch.float32
-        for step in self.steps:
-            layer = self.layers[step.expert_layer]
-            attn = layer.self_attn
-            prefix_ok = self.cache.valid[step.vlm_layer, :length]  # [P]: pruned tokens are not read
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(B, H, Hq, D).transpose(1, 2)  # [B, Hq, H, D]
-            if step.kind == "self":
-                k = attn.k_proj(h).view(B, H, Hkv, D).transpose(1, 2)
-                v = attn.v_proj(h).view(B, H, Hkv, D).transpose(1, 2)
-                q, k = self.apply_rope(q, k, cos_self, sin_self)
-                keys = torch.cat([self.cache.k[step.vlm_layer, :B, :, :length].to(dt), k.to(dt)], dim=2)
-                values = torch.cat([self.cache.v[step.vlm_layer, :B, :, :length].to(dt), v.to(dt)], dim=2)
-                mask = torch.cat([prefix_ok.expand(H, length), tril], dim=1)  # [H, P + H]
-            else:
-                q, _ = self.apply_rope(q, q, cos_cross, sin_cross)
-                ck, cv = self._cross[step.vlm_layer]
-                keys, values = ck[:, :, :length].to(dt), cv[:, :, :length].to(dt)
-                mask = prefix_ok.expand(H, length)
-            o = self.kernels.attend(q.to(dt), keys, values, mask, self.scaling).to(x.dtype)  # [B, Hq, H, D]
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, H, Hq * D))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return StepOutput(hidden=self.norm(x), taps=None, computed_per_layer=[H] * len(self.steps))
+                hidden = self.step(x, *args)
+        elif self.compiled is not None:
+            with torch.inference_mode(), compile_settings(frozen=self.frozen):
+                if not x.is_inference():  # one kind of input tensor: dynamo guards on it (a second graph)
+                    x = x.clone()
+                hidden = self.compiled(x, *args)
+            self.static_calls += 1
+        else:
+            with torch.inference_mode():
+                hidden = self.step(x, *args)
+        return StepOutput(hidden=hidden, taps=None, computed_per_layer=[x.shape[1]] * len(self.steps))

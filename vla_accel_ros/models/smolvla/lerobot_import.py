@@ -19,19 +19,19 @@ LeRobot itself cannot run is refused naming the option.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vla_accel_ros.core.bundle import CONFIG_FILE, TOKENIZER_DIR, WEIGHTS_FILE, BundleSpec, save_bundle
+from vla_accel_ros.core.bundle import CONFIG_FILE, WEIGHTS_FILE, BundleSpec
 from vla_accel_ros.core.errors import BundleError, ConfigError
 from vla_accel_ros.models import demo
 from vla_accel_ros.models.factory import check_weights, spec_family
-from vla_accel_ros.models.smolvla.configuration_smolvla import NORM_MODES, SmolVLAOptions
+from vla_accel_ros.models.lerobot_compat import write_imported
+from vla_accel_ros.models.lerobot_compat import NORM_MODES
+from vla_accel_ros.models.smolvla.configuration_smolvla import SmolVLAOptions
 
-SOURCE_FILE = "source.json"
 _PREFIX = "model."
 # LeRobot's module names -> ours (the first prefix that matches).
 _KEY_MAP = (
@@ -150,7 +150,7 @@ def _map_weights(state: dict[str, torch.Tensor], vlm_layers: int) -> dict[str, t
 
 def import_lerobot(
     policy_dir: str | Path, out: str | Path, *, vlm: str | Path | None = None, name: str | None = None,
-    joint_names: tuple[str, ...] | None = None, fps: float = 50.0, default_instruction: str = "",
+    joint_names: tuple[str, ...] | None = None, fps: float = 50.0, default_instruction: str = "", **unused,
 ) -> Path:  # fmt: skip
     """Write a ``smolvla`` bundle at ``out`` from LeRobot's saved policy at ``policy_dir``."""
     from safetensors import SafetensorError
@@ -248,16 +248,9 @@ def import_lerobot(
     spec_family(spec, out / CONFIG_FILE)
     check_weights(policy_dir / WEIGHTS_FILE, spec, {k: (tuple(v.shape), True) for k, v in weights.items()})
 
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        raise BundleError(f"{tmp} exists (an interrupted import?): remove it first")
-    save_bundle(tmp, spec, weights)
-    tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
     source: dict[str, Any] = {
         "lerobot_policy": str(policy_dir.resolve()), "vlm": str(vlm_dir.resolve()), "vlm_model_name": cfg.get("vlm_model_name"),
         "cameras": cameras, "lerobot_config": cfg,
         "no_effect_here": {k: cfg.get(k) for k in ("pad_language_to", "prefix_length", "empty_cameras", "n_action_steps", "rtc_config")},
     }  # fmt: skip
-    (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n")
-    os.replace(tmp, out)
-    return out
+    return write_imported(out, spec, weights, tokenizer, source)

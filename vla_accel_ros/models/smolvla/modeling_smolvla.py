@@ -38,18 +38,16 @@ from torch import nn
 
 from vla_accel_ros.core.bundle import BundleSpec, head_dim
 from vla_accel_ros.core.engine import StepPlan
-from vla_accel_ros.core.errors import BundleError, ConfigError, ObservationError
+from vla_accel_ros.core.errors import BundleError, ConfigError
 from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.core.precision import COMPONENTS
 from vla_accel_ros.core.prefix import PrefixLayout
-from vla_accel_ros.core.types import ActionChunk, ChunkGuidance, Observation
+from vla_accel_ros.core.types import ActionChunk, Observation
 from vla_accel_ros.models import demo
-from vla_accel_ros.models.base import StageTimer
-from vla_accel_ros.models.common import Frames, lm_config, make_tokenizer, sincos_embedding
-from vla_accel_ros.models.family import Family
+from vla_accel_ros.models.common import interrupt_between_layers, lm_config, sincos_embedding
 from vla_accel_ros.models.flops import decoder_layer_flops, vision_flops
-from vla_accel_ros.models.flow import FlowPolicy
-from vla_accel_ros.models.smolvla.configuration_smolvla import NORM_STATS, SmolVLAOptions
+from vla_accel_ros.models.lerobot_compat import LeRobotFamily, LeRobotPolicy, check_lerobot_io
+from vla_accel_ros.models.smolvla.configuration_smolvla import SmolVLAOptions
 from vla_accel_ros.models.smolvla.expert import ExpertEngine
 
 
@@ -80,11 +78,14 @@ class SmolVLAVision(nn.Module):
 
         vcfg = vision_config(spec)
         scale = int(spec.vision["scale_factor"])
-        self.vision = SmolVLMVisionTransformer(vcfg)
+        self.vision = interrupt_between_layers(SmolVLMVisionTransformer(vcfg))
         self.connector = SmolVLMConnector(
             SmolVLMConfig(vision_config=vcfg.to_dict(), text_config={"hidden_size": lm_hidden}, scale_factor=scale)
         )
         self.embed_scale = math.sqrt(lm_hidden)
+        self.scale = scale
+        self.side = vcfg.image_size // vcfg.patch_size  # patches per side
+        self.num_patches, self.num_tokens, self.out_dim = self.side**2, (self.side // scale) ** 2, lm_hidden
 
     @property
     def projector(self) -> nn.Module:  # the ``projector`` precision component
@@ -111,6 +112,28 @@ class SmolVLAVision(nn.Module):
         """pixels: [C, 3, S, S] in [-1, 1] -> [C, T, H]: every patch attends to every other."""
         feats = self.vision.encoder(inputs_embeds=self.patch_embeddings(pixels)).last_hidden_state
         return self.connector(self.vision.post_layernorm(feats)) * self.embed_scale
+
+    # -- the vision cache's view (models/vision.py: VisionTower) --------------------------------------
+    @property
+    def encoder_layers(self) -> nn.ModuleList:
+        return self.vision.encoder.layers
+
+    def post_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vision.post_layernorm(x)
+
+    def token_patches(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The s x s block of patches each token merges (the pixel shuffle's: token (i, j) of the
+        token grid holds patches (i s + m, j s + k), in row-major order)."""
+        s, g = self.scale, self.side // self.scale
+        i, j = tokens // g, tokens % g
+        m = torch.arange(s)
+        rows = (i[:, None, None] * s + m[None, :, None]) * self.side + (j[:, None, None] * s + m[None, None, :])
+        return rows.flatten().sort().values
+
+    def project_tokens(self, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[N, W] every patch's features -> [n, H] the embeddings of ``tokens``."""
+        shuffled = self.connector.pixel_shuffle(feats[None], self.scale)[0]  # [T, W s^2]
+        return self.connector.modality_projection(shuffled[tokens]) * self.embed_scale
 
 
 def get_intermediate_size(hidden: int, ffn_multiplier: int = 4, multiple_of: int = 256) -> int:
@@ -158,91 +181,14 @@ class SmolVLAModel(nn.Module):
         return self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
 
 
-# -- LeRobot's normalization and ALOHA joint maps, as it computes them ----------------------------
-def normalize(x: torch.Tensor, mode: str, stats: dict, eps: float, inverse: bool = False) -> torch.Tensor:
-    """LeRobot's NormalizerProcessorStep (and its inverse) for one feature, in float32."""
-    if mode == "IDENTITY" or not stats:
-        return x
-    s = {k: torch.as_tensor(np.asarray(v, dtype=np.float32)) for k, v in stats.items()}
-    if mode == "MEAN_STD":
-        return x * s["std"] + s["mean"] if inverse else (x - s["mean"]) / (s["std"] + eps)
-    lo, hi = {"MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}[mode]
-    denom = s[hi] - s[lo]
-    denom = torch.where(denom == 0, torch.tensor(eps, dtype=x.dtype), denom)
-    if mode == "MIN_MAX":
-        return (x + 1) / 2 * denom + s[lo] if inverse else 2 * (x - s[lo]) / denom - 1
-    return (x + 1.0) * denom / 2.0 + s[lo] if inverse else 2.0 * (x - s[lo]) / denom - 1.0
-
-
-def _rescale(x: torch.Tensor, lo: float, hi: float, inverse: bool) -> torch.Tensor:
-    return x * (hi - lo) + lo if inverse else (x - lo) / (hi - lo)
-
-
-def _gripper_to_angular(x: torch.Tensor) -> torch.Tensor:
-    # ALOHA's linear gripper positions back to pi's angular space (Interbotix's horn and arm
-    # lengths; the 0.4 / 1.5 range measured on a Trossen robot), as LeRobot maps them.
-    x = _rescale(x, 0.01844, 0.05800, inverse=True)
-    r, arm = 0.022, 0.036
-    x = torch.arcsin(torch.clamp((r**2 + x**2 - arm**2) / (2 * r * x), -1.0, 1.0))
-    return _rescale(x, 0.4, 1.5, inverse=False)
-
-
-def _gripper_from_angular(x: torch.Tensor) -> torch.Tensor:
-    return _rescale(_rescale(x, 0.4, 1.5, inverse=True), -0.6213, 1.4910, inverse=False)
-
-
-_FLIPPED, _GRIPPERS = (1, 2, 8, 9), (6, 13)
-
-
-def pi_aloha(x: torch.Tensor, *, to_pi: bool) -> torch.Tensor:
-    """LeRobot's ``adapt_to_pi_aloha``: joints 1, 2, 8, 9 flipped, the grippers mapped (state:
-    to pi's space; actions: back). ``x``: [..., 14]"""
-    x = x.clone()
-    x[..., list(_FLIPPED)] *= -1
-    for g in _GRIPPERS:
-        x[..., g] = _gripper_to_angular(x[..., g]) if to_pi else _gripper_from_angular(x[..., g])
-    return x
-
-
-def resize_with_pad(img: torch.Tensor, size: int) -> torch.Tensor:
-    """[C, 3, h, w] in [0, 1] -> [C, 3, size, size]: aspect kept (bilinear), zeros on top and left."""
-    h, w = img.shape[-2:]
-    ratio = max(w / size, h / size)
-    rh, rw = int(h / ratio), int(w / ratio)
-    out = F.interpolate(img, size=(rh, rw), mode="bilinear", align_corners=False)
-    return F.pad(out, (max(0, size - rw), 0, max(0, size - rh), 0), value=0.0)
-
-
-def frame_tensor(image: np.ndarray, camera: str) -> torch.Tensor:
-    """A camera frame [h, w, 3] uint8 (0..255) or float (0..1) -> [3, h, w] float32 in [0, 1]."""
-    a = np.asarray(image)
-    if a.ndim != 3 or a.shape[2] != 3:
-        raise ObservationError(f"camera {camera}: frame of shape {list(a.shape)}, expected [height, width, 3]")
-    t = torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1)
-    if a.dtype == np.uint8:
-        return t.float() / 255.0
-    if a.dtype in (np.float32, np.float64):
-        return t.float()
-    raise ObservationError(f"camera {camera}: frames must be uint8 or float in [0, 1], got {a.dtype}")
-
-
-class SmolVLAPolicy(FlowPolicy):
+class SmolVLAPolicy(LeRobotPolicy):
     family = "smolvla"
 
     def __init__(self, spec: BundleSpec, model: SmolVLAModel, config, planner=None, *, precision=None, bundle_path: str = "") -> None:
         self.options = options_of(spec)
         super().__init__(spec, model, config, planner, precision=precision, bundle_path=bundle_path)
-        self.check_config(config)
-
-    def check_config(self, config) -> None:
-        super().check_config(config)
-        if config.uses_cache and config.cache.reuse_vision:
-            raise ConfigError("cache.reuse_vision: the vision cache is not built for smolvla's pixel-shuffled tokens yet")
 
     # -- construction hooks ---------------------------------------------------------------------
-    def make_tokenizer(self):
-        return make_tokenizer(self.spec, self.bundle_path, truncate=self.options.truncate_text)
-
     def prefix_capacity(self) -> int:
         per_cam = self.spec.grid**2 + (3 if self.options.add_image_special_tokens else 0)
         return len(self.spec.cameras) * per_cam + self.spec.max_text_tokens + 1
@@ -256,31 +202,10 @@ class SmolVLAPolicy(FlowPolicy):
         plan = self.options.layer_plan(self.vlm_stack.num_layers)
         self.expert_engine = ExpertEngine(
             self.model.expert, plan, self.cache, max_positions=self.max_prefix + self.spec.chunk_size,
-            bf16_attention_above=self.precision.bf16_attention_above("expert"),
+            bf16_attention_above=self.precision.bf16_attention_above("expert"), compile=self.config.precision.compile,
         )  # fmt: skip
 
-    @property
-    def noise_shape(self) -> tuple[int, int]:
-        return (self.spec.chunk_size, self.options.max_action_dim)
-
-    def action_scale(self) -> tuple[np.ndarray, np.ndarray]:
-        """Deviations in units of the actions' spread: their std, else half the range the
-        normalization maps to [-1, 1], else 1 (identity without statistics)."""
-        st = self.spec.norm_stats["action"]
-        if "mean" in st and "std" in st:
-            return np.asarray(st["mean"], np.float32), np.maximum(np.asarray(st["std"], np.float32), 1e-6)
-        for lo, hi in ("min", "max"), ("q01", "q99"), ("q10", "q90"):
-            if lo in st and hi in st:
-                a, b = np.asarray(st[lo], np.float32), np.asarray(st[hi], np.float32)
-                return (a + b) / 2, np.maximum((b - a) / 2, 1e-6)
-        return np.zeros(self.spec.action_dim, np.float32), np.ones(self.spec.action_dim, np.float32)
-
     # -- the prefix -------------------------------------------------------------------------------
-    def prompt(self, instruction: str) -> str:
-        """The task as LeRobot's preprocessor hands it to the tokenizer: unchanged, ending in a newline."""
-        text = self.spec.instruction_template.replace("{instruction}", instruction or self.spec.default_instruction)
-        return text if text.endswith("\n") else text + "\n"
-
     def _make_layout(self, text_len: int) -> PrefixLayout:
         s, special = self.spec, self.options.add_image_special_tokens
         t = s.grid * s.grid
@@ -292,6 +217,7 @@ class SmolVLAPolicy(FlowPolicy):
             image_start=2 if special else 0, text_start=n_img, text_len=text_len, state_slot=n_img + text_len,
             length=n_img + text_len + 1, fixed_slots=fixed, attention="bidirectional",
             num_layers=self.vlm_stack.num_layers, camera_stride=stride if special else 0,
+            static_patch=int(s.vision["patch_size"]),
         )  # fmt: skip
 
     def prepare_cache(self, layout: PrefixLayout) -> None:
@@ -304,10 +230,7 @@ class SmolVLAPolicy(FlowPolicy):
 
     def _static_prefix(self, layout: PrefixLayout, ids: list[int]) -> torch.Tensor:
         m = self.model
-        hidden = m.vlm.config.hidden_size
-        static = torch.zeros(layout.length, hidden, device=m.vlm.embed_tokens.weight.device)
-        if ids:
-            static[layout.text_start : layout.text_start + layout.text_len] = m.embed_ids(ids) * math.sqrt(hidden)
+        static = super()._static_prefix(layout, ids)
         if layout.fixed_slots:  # per camera: <fake><global> before, <fake> after (not scaled, as LeRobot)
             o = self.options
             special = m.embed_ids([o.fake_image_token_id, o.global_image_token_id, o.fake_image_token_id])
@@ -317,52 +240,6 @@ class SmolVLAPolicy(FlowPolicy):
 
     def _state_embedding(self, state: np.ndarray | None) -> torch.Tensor:
         return self.model.state_proj(self.model_state(state)[0])
-
-    def model_state(self, state: np.ndarray | None) -> torch.Tensor:
-        """The state as state_proj reads it: normalized as LeRobot does, mapped to pi's joint
-        space with ``adapt_to_pi_aloha``, zero-padded.  -> [1, max_state_dim]"""
-        s, o = self.spec, self.options
-        x = torch.from_numpy(self.checked_state(state))[None]
-        x = normalize(x, o.state_norm, s.norm_stats.get("state", {}), o.norm_eps)
-        if o.adapt_to_pi_aloha:
-            x = pi_aloha(x, to_pi=True)
-        return F.pad(x, (0, o.max_state_dim - s.state_dim))
-
-    def frames(self, obs: Observation) -> Frames:
-        """The cameras' frames resized with padding (LeRobot's rule) -> pixels in [-1, 1], and
-        the same image as uint8 for the token cache's comparisons."""
-        cams = self.spec.cameras
-        missing = [c for c in cams if c not in obs.images]
-        if missing:
-            raise ObservationError(f"observation lacks camera(s) {', '.join(missing)}; has {', '.join(obs.images) or 'none'}")
-        size = self.spec.image_size
-        padded = torch.cat([resize_with_pad(frame_tensor(obs.images[c], c)[None], size) for c in cams])  # [C, 3, S, S]
-        raw = (padded * 255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
-        return Frames(cameras=cams, raw=raw, pixels=padded * 2.0 - 1.0)
-
-    # -- the actions ------------------------------------------------------------------------------
-    def actions_out(self, x: torch.Tensor) -> np.ndarray:
-        s, o = self.spec, self.options
-        a = x[:, :, : s.action_dim].detach().float()
-        if o.adapt_to_pi_aloha:
-            a = pi_aloha(a, to_pi=False)
-        return normalize(a, o.action_norm, s.norm_stats["action"], o.norm_eps, inverse=True)[0].numpy().astype(np.float32)
-
-    def _guidance_targets(self, guidance: ChunkGuidance) -> tuple[torch.Tensor, torch.Tensor]:
-        """RTC targets in the model's action space (normalized, padded; the padding unweighted)."""
-        s, o = self.spec, self.options
-        h, d = s.chunk_size, s.action_dim
-        prev = np.asarray(guidance.prev_actions, dtype=np.float32)
-        weights = np.asarray(guidance.weights, dtype=np.float32).reshape(-1)
-        if prev.ndim != 2 or prev.shape[1] != d or weights.shape[0] != h:
-            raise ObservationError(f"guidance needs prev_actions [<= {h}, {d}] and weights [{h}]")
-        n = min(h, prev.shape[0])
-        y = torch.zeros(1, h, o.max_action_dim)
-        a = normalize(torch.from_numpy(prev[:n])[None], o.action_norm, s.norm_stats["action"], o.norm_eps)
-        y[:, :n, :d] = pi_aloha(a, to_pi=True) if o.adapt_to_pi_aloha else a
-        w = torch.zeros(1, h, o.max_action_dim)
-        w[0, :n, :d] = torch.from_numpy(weights[:n])[:, None]
-        return y, w
 
     def static_steps(self, layout: PrefixLayout) -> dict:
         return {"prefill": (self.vlm_engine, layout.all_slots())}
@@ -505,22 +382,26 @@ _DEMO = {
 }  # fmt: skip
 
 
-class SmolVLAFamily(Family):
+class SmolVLAFamily(LeRobotFamily):
     """``smolvla`` bundles: LeRobot SmolVLA checkpoints (``vla-accel bundle import --lerobot``)."""
 
     name = "smolvla"
-    # The flow family's measured defaults until SmolVLA's are measured; the gate decides per bundle.
-    precision_defaults = {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"}
-    precision_fallbacks = ({"expert": "fp32"}, {"lm": "fp32", "expert": "fp32"}, {c: "fp32" for c in COMPONENTS})
-    heads = ("state_proj", "action_in", "time_in", "time_out", "action_out")
+    # Vision is most of a SmolVLA chunk (SigLIP at 512 px, 1,024 patches per camera): its linear
+    # layers in int8 (VNNI) are the largest saving measured on the full-size model (README,
+    # "SmolVLA against LeRobot"); the gate takes the vision tower back to bf16 where a bundle does
+    # not tolerate int8 within precision.gate_flow_max_over_std, then the decoders to fp32.
+    precision_defaults = {"vision": "int8", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"}
+    precision_fallbacks = (
+        {"vision": "bf16"}, {"vision": "bf16", "expert": "fp32"}, {"vision": "bf16", "lm": "fp32", "expert": "fp32"},
+        {c: "fp32" for c in COMPONENTS},
+    )  # fmt: skip
 
     def validate_spec(self, spec: BundleSpec) -> None:
         super().validate_spec(spec)
         opts = options_of(spec)
         if not isinstance(spec.expert, dict):
             raise ConfigError("smolvla bundles need an 'expert' decoder config")
-        if spec.image_resize != "pad":
-            raise ConfigError(f"image_resize={spec.image_resize!r}: SmolVLA resizes with padding (image_resize: pad)")
+        check_lerobot_io(spec, opts)
         scale = spec.vision.get("scale_factor")
         if not isinstance(scale, int) or scale < 1:
             raise ConfigError(f"vision.scale_factor={scale!r} must be a positive integer (SmolVLM's pixel shuffle)")
@@ -530,10 +411,6 @@ class SmolVLAFamily(Family):
                 f"image_size={spec.image_size} / patch_size={spec.patch_size} must be vision.image_size={v_image} and "
                 f"vision.patch_size x scale_factor = {v_patch} x {scale} (one token per pixel-shuffled block)"
             )
-        if not 1 <= spec.state_dim <= opts.max_state_dim:
-            raise ConfigError(f"state_dim={spec.state_dim} must be in [1, options.max_state_dim={opts.max_state_dim}]")
-        if spec.action_dim > opts.max_action_dim:
-            raise ConfigError(f"action_dim={spec.action_dim} exceeds options.max_action_dim={opts.max_action_dim}")
         lm, ex = spec.lm, spec.expert
         for key in ("num_attention_heads", "num_key_value_heads"):
             if ex.get(key) != lm.get(key):
@@ -548,12 +425,6 @@ class SmolVLAFamily(Family):
                 f"with {layers} VLM layers means {opts.expert_depth(layers)}"
             )
         opts.check_kv_widths(layers, int(ex["hidden_size"]), int(lm["num_key_value_heads"]) * head_dim(lm))
-        for feature, mode in (("state", opts.state_norm), ("action", opts.action_norm)):
-            missing = [k for k in NORM_STATS[mode] if k not in spec.norm_stats.get(feature, {})]
-            if missing:
-                raise ConfigError(f"options.{feature}_norm={mode} needs norm_stats.{feature}.{', '.join(missing)}")
-        if opts.adapt_to_pi_aloha and (spec.state_dim, spec.action_dim) != (14, 14):
-            raise ConfigError("options.adapt_to_pi_aloha maps ALOHA's 14 joints: state_dim and action_dim must be 14")
         if opts.add_image_special_tokens and spec.tokenizer != "bundle":
             raise ConfigError("options.add_image_special_tokens needs the checkpoint's tokenizer (tokenizer: bundle)")
 
@@ -569,12 +440,8 @@ class SmolVLAFamily(Family):
         kinds = "".join({"self": "S", "cross": "X", "skip": "-"}[s.kind] for s in plan)
         return [
             f"denoising   {spec.num_steps} Euler steps; expert layers per VLM layer {kinds} (S self, X cross, - none)",
-            f"padding     state {spec.state_dim} -> {o.max_state_dim}, actions {spec.action_dim} -> {o.max_action_dim}; "
-            f"normalization state {o.state_norm}, action {o.action_norm}",
+            self.padding_line(spec, o),
         ]
-
-    def decoder_layers(self, model: SmolVLAModel) -> dict[str, nn.ModuleList]:
-        return {"lm": model.vlm.layers, "expert": model.expert.layers}
 
     def component_roots(self, model: SmolVLAModel) -> dict[str, list[nn.Module]]:
         return {"vision": [model.vis.vision], "projector": [model.vis.connector]}
@@ -593,7 +460,8 @@ class SmolVLAFamily(Family):
         state_dim = action_dim if state_dim is None else state_dim
         lm = {"model_type": "llama", **d["lm"], "vocab_size": d["vocab"], "max_position_embeddings": 8192, "rope_theta": 10000.0}
         width = int(lm["hidden_size"] * 0.75)
-        expert = {**lm, "hidden_size": width, "intermediate_size": get_intermediate_size(width), "vocab_size": 1}
+        expert = {**lm, "hidden_size": width, "intermediate_size": get_intermediate_size(width), "vocab_size": 1,
+                  "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}  # fmt: skip
         return BundleSpec(
             family="smolvla", name=name or f"demo-smolvla-{size}", cameras=cameras, image_size=d["image"],
             patch_size=d["patch"] * d["scale"], image_resize="pad", action_dim=action_dim,
@@ -618,7 +486,7 @@ class SmolVLAFamily(Family):
             "prefill": sum(decoder_layer_flops(lm, n, n * float(p)) for n in work.rows_per_layer),
         }
         plan = o.layer_plan(int(lm["num_hidden_layers"]))
-        hq, kv, hd = int(ex["num_attention_heads"]), int(ex["num_key_value_heads"]), head_dim(ex)
+        kv, hd = int(ex["num_key_value_heads"]), head_dim(ex)
         step = 0.0
         one = {**ex, "num_hidden_layers": 1}
         for st in plan:
@@ -631,6 +499,12 @@ class SmolVLAFamily(Family):
         out["denoise"] = flow_steps * (step + suffix) + cross_kv
         out["state"] = 2.0 * o.max_state_dim * d
         return out
+
+
+    def import_lerobot(self, policy_dir, out, **kwargs):
+        from vla_accel_ros.models.smolvla.lerobot_import import import_lerobot
+
+        return import_lerobot(policy_dir, out, **kwargs)
 
 
 FAMILY = SmolVLAFamily()

@@ -1,0 +1,274 @@
+"""What LeRobot computes around its policies (SmolVLA and pi0 alike), written from its
+description: the normalization modes with its eps, the image resize that keeps the aspect and
+pads on top and left, its frames as [0, 1] floats, the task text, the state and action padding,
+and the optional pi-ALOHA joint maps. Every family that imports LeRobot checkpoints builds on
+:class:`LeRobotPolicy`, so that the policies' inputs and outputs are LeRobot's to the last bit
+(the reference fixtures check it)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.errors import ConfigError, ObservationError
+from vla_accel_ros.core.precision import COMPONENTS
+from vla_accel_ros.core.types import ChunkGuidance, Observation
+from vla_accel_ros.models.common import Frames, make_tokenizer
+from vla_accel_ros.models.family import Family
+from vla_accel_ros.models.flow import FlowPolicy
+
+NORM_MODES = ("IDENTITY", "MEAN_STD", "MIN_MAX", "QUANTILES", "QUANTILE10")
+# The statistics each normalization mode reads (LeRobot's NormalizerProcessorStep).
+NORM_STATS = {"IDENTITY": (), "MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"),
+              "QUANTILE10": ("q10", "q90")}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LeRobotOptions(Config):
+    """What a LeRobot checkpoint's config says about its inputs and outputs (every family's)."""
+
+    max_state_dim: int = param(32, doc="the state is zero-padded to this size before state_proj", range=(1, 4096))
+    max_action_dim: int = param(32, doc="actions (and the noise) are this wide inside the model; the first action_dim are used", range=(1, 4096))
+    state_norm: str = param("MEAN_STD", doc="normalization of the state (LeRobot NormalizationMode)", choices=NORM_MODES)
+    action_norm: str = param("MEAN_STD", doc="normalization of the actions (LeRobot NormalizationMode)", choices=NORM_MODES)
+    norm_eps: float = param(1e-8, doc="LeRobot's normalizer eps", range=(0.0, 1.0))
+    adapt_to_pi_aloha: bool = param(False, doc="convert the ALOHA state and actions to and from pi's joint space (LeRobot's flip and gripper maps)")
+    truncate_text: bool = param(True, doc="a prompt longer than max_text_tokens is cut there (LeRobot's tokenizer step truncates)")
+
+
+def normalize(x: torch.Tensor, mode: str, stats: dict, eps: float, inverse: bool = False) -> torch.Tensor:
+    """LeRobot's NormalizerProcessorStep (and its inverse) for one feature, in float32."""
+    if mode == "IDENTITY" or not stats:
+        return x
+    s = {k: torch.as_tensor(np.asarray(v, dtype=np.float32)) for k, v in stats.items()}
+    if mode == "MEAN_STD":
+        return x * s["std"] + s["mean"] if inverse else (x - s["mean"]) / (s["std"] + eps)
+    lo, hi = {"MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}[mode]
+    denom = s[hi] - s[lo]
+    denom = torch.where(denom == 0, torch.tensor(eps, dtype=x.dtype), denom)
+    if mode == "MIN_MAX":
+        return (x + 1) / 2 * denom + s[lo] if inverse else 2 * (x - s[lo]) / denom - 1
+    return (x + 1.0) * denom / 2.0 + s[lo] if inverse else 2.0 * (x - s[lo]) / denom - 1.0
+
+
+def _rescale(x: torch.Tensor, lo: float, hi: float, inverse: bool) -> torch.Tensor:
+    return x * (hi - lo) + lo if inverse else (x - lo) / (hi - lo)
+
+
+def _gripper_to_angular(x: torch.Tensor) -> torch.Tensor:
+    # ALOHA's linear gripper positions back to pi's angular space (Interbotix's horn and arm
+    # lengths; the 0.4 / 1.5 range measured on a Trossen robot), as LeRobot maps them.
+    x = _rescale(x, 0.01844, 0.05800, inverse=True)
+    r, arm = 0.022, 0.036
+    x = torch.arcsin(torch.clamp((r**2 + x**2 - arm**2) / (2 * r * x), -1.0, 1.0))
+    return _rescale(x, 0.4, 1.5, inverse=False)
+
+
+def _gripper_from_angular(x: torch.Tensor) -> torch.Tensor:
+    return _rescale(_rescale(x, 0.4, 1.5, inverse=True), -0.6213, 1.4910, inverse=False)
+
+
+_FLIPPED, _GRIPPERS = (1, 2, 8, 9), (6, 13)
+
+
+def pi_aloha(x: torch.Tensor, *, to_pi: bool) -> torch.Tensor:
+    """LeRobot's ``adapt_to_pi_aloha``: joints 1, 2, 8, 9 flipped, the grippers mapped (state:
+    to pi's space; actions: back). ``x``: [..., 14]"""
+    x = x.clone()
+    x[..., list(_FLIPPED)] *= -1
+    for g in _GRIPPERS:
+        x[..., g] = _gripper_to_angular(x[..., g]) if to_pi else _gripper_from_angular(x[..., g])
+    return x
+
+
+def resize_with_pad(img: torch.Tensor, size: int) -> torch.Tensor:
+    """[C, 3, h, w] in [0, 1] -> [C, 3, size, size]: aspect kept (bilinear), zeros on top and left."""
+    h, w = img.shape[-2:]
+    ratio = max(w / size, h / size)
+    rh, rw = int(h / ratio), int(w / ratio)
+    out = F.interpolate(img, size=(rh, rw), mode="bilinear", align_corners=False)
+    return F.pad(out, (max(0, size - rw), 0, max(0, size - rh), 0), value=0.0)
+
+
+def frame_tensor(image: np.ndarray, camera: str) -> torch.Tensor:
+    """A camera frame [h, w, 3] uint8 (0..255) or float (0..1) -> [3, h, w] float32 in [0, 1]."""
+    a = np.asarray(image)
+    if a.ndim != 3 or a.shape[2] != 3:
+        raise ObservationError(f"camera {camera}: frame of shape {list(a.shape)}, expected [height, width, 3]")
+    t = torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1)
+    if a.dtype == np.uint8:
+        return t.float() / 255.0
+    if a.dtype in (np.float32, np.float64):
+        return t.float()
+    raise ObservationError(f"camera {camera}: frames must be uint8 or float in [0, 1], got {a.dtype}")
+
+
+def padded_frames(images, cameras: tuple[str, ...], size: int):
+    """The cameras' frames resized with padding (LeRobot's rule) -> pixels in [-1, 1], and the
+    same image as uint8 [C, S, S, 3] for the token cache's comparisons."""
+    from vla_accel_ros.models.common import Frames
+
+    missing = [c for c in cameras if c not in images]
+    if missing:
+        raise ObservationError(f"observation lacks camera(s) {', '.join(missing)}; has {', '.join(images) or 'none'}")
+    padded = torch.cat([resize_with_pad(frame_tensor(images[c], c)[None], size) for c in cameras])  # [C, 3, S, S]
+    raw = (padded * 255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+    return Frames(cameras=cameras, raw=raw, pixels=padded * 2.0 - 1.0)
+
+
+class LeRobotFamily(Family):
+    """What the families of LeRobot checkpoints share: a VLM and an action expert, the flow-matching
+    heads, the defaults of ``precision: auto`` (the flow family's measured ones; the gate
+    decides per bundle)."""
+
+    precision_defaults = {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"}
+    precision_fallbacks = ({"expert": "fp32"}, {"lm": "fp32", "expert": "fp32"}, {c: "fp32" for c in COMPONENTS})
+    heads = ("state_proj", "action_in", "time_in", "time_out", "action_out")
+
+    def decoder_layers(self, model) -> dict:
+        return {"lm": model.vlm.layers, "expert": model.expert.layers}
+
+    @staticmethod
+    def padding_line(spec, opts: LeRobotOptions) -> str:
+        return (f"padding     state {spec.state_dim} -> {opts.max_state_dim}, actions {spec.action_dim} -> {opts.max_action_dim}; "
+                f"normalization state {opts.state_norm}, action {opts.action_norm}")  # fmt: skip
+
+
+def check_lerobot_io(spec, opts: LeRobotOptions) -> None:
+    """What every LeRobot family's spec must hold: frames resized with padding, the state and
+    action inside the padded sizes, the statistics the normalization modes read."""
+    if spec.image_resize != "pad":
+        raise ConfigError(f"image_resize={spec.image_resize!r}: LeRobot resizes with padding (image_resize: pad)")
+    if not 1 <= spec.state_dim <= opts.max_state_dim or spec.action_dim > opts.max_action_dim:
+        raise ConfigError(
+            f"state_dim={spec.state_dim} / action_dim={spec.action_dim} must fit options.max_state_dim="
+            f"{opts.max_state_dim} / max_action_dim={opts.max_action_dim}"
+        )
+    for feature, mode in (("state", opts.state_norm), ("action", opts.action_norm)):
+        missing = [k for k in NORM_STATS[mode] if k not in spec.norm_stats.get(feature, {})]
+        if missing:
+            raise ConfigError(f"options.{feature}_norm={mode} needs norm_stats.{feature}.{', '.join(missing)}")
+    if opts.adapt_to_pi_aloha and (spec.state_dim, spec.action_dim) != (14, 14):
+        raise ConfigError("options.adapt_to_pi_aloha maps ALOHA's 14 joints: state_dim and action_dim must be 14")
+
+
+def write_imported(out, spec, weights: dict, tokenizer, source: dict):
+    """An imported bundle written beside ``out`` and renamed into place (no half bundle): its
+    weights, the tokenizer's files (saved by transformers) and ``source.json``."""
+    import json
+    import os
+
+    from vla_accel_ros.core.bundle import TOKENIZER_DIR, save_bundle
+    from vla_accel_ros.core.errors import BundleError
+
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        raise BundleError(f"{tmp} exists (an interrupted import?): remove it first")
+    save_bundle(tmp, spec, weights)
+    tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+    (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+SOURCE_FILE = "source.json"  # an imported bundle's origin: the checkpoint, its config, its camera names
+
+
+class LeRobotPolicy(FlowPolicy):
+    """A flow-matching policy with LeRobot's inputs and outputs: its frames (resized with
+    padding), the task text as its preprocessor passes it, the state normalized, mapped and
+    padded, the actions padded inside the model and unnormalized as its postprocessor does.
+    ``self.options`` (a :class:`LeRobotOptions`) must be set before ``__init__`` runs."""
+
+    options: LeRobotOptions
+    # Where LeRobot applies ``adapt_to_pi_aloha``: SmolVLA (0.4.x, in the policy after its
+    # preprocessor) on normalized values, pi0 (0.3.3) on robot units.
+    pi_aloha_on_normalized = True
+
+    def make_tokenizer(self):
+        return make_tokenizer(self.spec, self.bundle_path, truncate=self.options.truncate_text)
+
+    def _static_prefix(self, layout, ids: list[int]) -> torch.Tensor:
+        """The language rows: the embedding table's rows times sqrt(hidden), as LeRobot scales them."""
+        m = self.model
+        hidden = m.vlm.config.hidden_size
+        static = torch.zeros(layout.length, hidden, device=m.vlm.embed_tokens.weight.device)
+        if ids:
+            static[layout.text_start : layout.text_start + layout.text_len] = m.embed_ids(ids) * math.sqrt(hidden)
+        return static
+
+    def prompt(self, instruction: str) -> str:
+        """The task as LeRobot's preprocessor hands it to the tokenizer: unchanged, ending in a newline."""
+        text = self.spec.instruction_template.replace("{instruction}", instruction or self.spec.default_instruction)
+        return text if text.endswith("\n") else text + "\n"
+
+    @property
+    def noise_shape(self) -> tuple[int, int]:
+        return (self.spec.chunk_size, self.options.max_action_dim)
+
+    def action_scale(self) -> tuple[np.ndarray, np.ndarray]:
+        """Deviations in units of the actions' spread: their std, else half the range the
+        normalization maps to [-1, 1], else 1 (identity without statistics)."""
+        st = self.spec.norm_stats["action"]
+        if "mean" in st and "std" in st:
+            return np.asarray(st["mean"], np.float32), np.maximum(np.asarray(st["std"], np.float32), 1e-6)
+        for lo, hi in ("min", "max"), ("q01", "q99"), ("q10", "q90"):
+            if lo in st and hi in st:
+                a, b = np.asarray(st[lo], np.float32), np.asarray(st[hi], np.float32)
+                return (a + b) / 2, np.maximum((b - a) / 2, 1e-6)
+        return np.zeros(self.spec.action_dim, np.float32), np.ones(self.spec.action_dim, np.float32)
+
+    def _to_model(self, x: torch.Tensor, feature: str, mode: str) -> torch.Tensor:
+        """Robot units -> the model's space: LeRobot's normalization and, with
+        ``adapt_to_pi_aloha``, the map to pi's joint space (before or after normalizing, as the
+        family's LeRobot version does)."""
+        o = self.options
+        stats = self.spec.norm_stats.get(feature, {})
+        if o.adapt_to_pi_aloha and not self.pi_aloha_on_normalized:
+            x = pi_aloha(x, to_pi=True)
+        x = normalize(x, mode, stats, o.norm_eps)
+        return pi_aloha(x, to_pi=True) if o.adapt_to_pi_aloha and self.pi_aloha_on_normalized else x
+
+    def model_state(self, state: np.ndarray | None) -> torch.Tensor:
+        """The state as state_proj reads it: normalized, mapped to pi's joint space with
+        ``adapt_to_pi_aloha``, zero-padded.  -> [1, max_state_dim]"""
+        x = self._to_model(torch.from_numpy(self.checked_state(state))[None], "state", self.options.state_norm)
+        return F.pad(x, (0, self.options.max_state_dim - self.spec.state_dim))
+
+    def frames(self, obs: Observation) -> Frames:
+        return padded_frames(obs.images, self.spec.cameras, self.spec.image_size)
+
+    # -- the actions ------------------------------------------------------------------------------
+    def actions_out(self, x: torch.Tensor) -> np.ndarray:
+        """The model's padded chunk [1, H, A] -> actions [H, action_dim] in robot units (the
+        inverse of :meth:`_to_model`)."""
+        s, o = self.spec, self.options
+        a = x[:, :, : s.action_dim].detach().float()
+        aloha = o.adapt_to_pi_aloha
+        if aloha and self.pi_aloha_on_normalized:
+            a = pi_aloha(a, to_pi=False)
+        a = normalize(a, o.action_norm, s.norm_stats["action"], o.norm_eps, inverse=True)
+        if aloha and not self.pi_aloha_on_normalized:
+            a = pi_aloha(a, to_pi=False)
+        return a[0].numpy().astype(np.float32)
+
+    def _guidance_targets(self, guidance: ChunkGuidance) -> tuple[torch.Tensor, torch.Tensor]:
+        """RTC targets in the model's action space (normalized, padded; the padding unweighted)."""
+        s, o = self.spec, self.options
+        h, d = s.chunk_size, s.action_dim
+        prev = np.asarray(guidance.prev_actions, dtype=np.float32)
+        weights = np.asarray(guidance.weights, dtype=np.float32).reshape(-1)
+        if prev.ndim != 2 or prev.shape[1] != d or weights.shape[0] != h:
+            raise ObservationError(f"guidance needs prev_actions [<= {h}, {d}] and weights [{h}]")
+        n = min(h, prev.shape[0])
+        y = torch.zeros(1, h, o.max_action_dim)
+        y[:, :n, :d] = self._to_model(torch.from_numpy(prev[:n])[None], "action", o.action_norm)
+        w = torch.zeros(1, h, o.max_action_dim)
+        w[0, :n, :d] = torch.from_numpy(weights[:n])[:, None]
+        return y, w
+
