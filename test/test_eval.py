@@ -108,6 +108,7 @@ def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
     assert (out / "report.md").is_file() and (out / "success.png").is_file()
     text = (out / "report.md").read_text()
     assert "Task stages reached" in text and "Motion and image tokens" in text
+    assert "| mode | success (Wilson 95%) | touched | lifted | McNemar p: success / touched / lifted |" in text
 
 
 def test_prefix_statistics_are_split_by_the_motion_mode_of_each_inference():
@@ -217,3 +218,25 @@ def test_each_mode_is_warmed_up_once_outside_its_episodes(tiny_bundles, monkeypa
     for name in ("baseline", "cache"):  # the warm-up leaves no state behind
         assert warmed["modes"][name]["per_episode"] == cold["modes"][name]["per_episode"]
         assert warmed["modes"][name]["inferences_per_episode"] == cold["modes"][name]["inferences_per_episode"]
+
+
+def test_scheduler_overrides_reach_the_controller_and_the_graphs_parameter_file(tiny_bundles, tmp_path, capsys):
+    """`--scheduler FIELD=VALUE` changes the chunk scheduler the episodes run with (and the copy of
+    the parameter file a --through-ros graph reads); a bad value is refused before any episode."""
+    from vla_accel_ros.bench import eval as ev
+    from vla_accel_ros.core.params_file import node_section
+
+    ensemble = {"aggregation": "temporal_ensemble", "async_threshold": 0.9}
+    cfg = ev.EvalConfig(bundle=tiny_bundles["flow"], episodes=1, steps=8, modes=("baseline",), parity_check=False,
+                        num_threads=1, open_loop_episodes=0, height=120, width=160, scheduler_overrides=ensemble)  # fmt: skip
+    result = ev.run_eval(cfg, progress=False)
+    assert {k: result["scheduler"][k] for k in ensemble} == ensemble
+    assert result["scheduler"]["execute_horizon"] == ev.GraphConfigs.load(None).scheduler.execute_horizon  # the file's
+    section = node_section(ev.graph_params("baseline", cfg), "action_controller_node")["scheduler"]
+    assert {k: section[k] for k in ensemble} == ensemble and "execute_horizon" in section
+
+    argv = ["eval", "--bundle", str(tiny_bundles["flow"]), "--episodes", "1", "--modes", "baseline",
+            "--report", str(tmp_path / "r"), "--scheduler", "aggregation=newest"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--scheduler aggregation=newest" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -129,6 +129,17 @@ def test_episode_frames_stream() -> None:
     assert not np.array_equal(frames[0].qpos, frames[4].qpos)
 
 
+def test_episode_frames_render_every_few_ticks() -> None:
+    """Images every N ticks (phase shifted by the episode), joint states and actions at all."""
+    sim = AlohaSim(SimConfig(task="transfer_cube", cameras=("top",), height=H, width=W))
+    frames = list(scripted_episode_frames(sim, seed=1, steps=7, episode=4, render_every=3))
+    assert [f.step for f in frames] == list(range(7))
+    assert [bool(f.images) for f in frames] == [k % 3 == 1 for k in range(7)]  # phase 4 % 3
+    assert all(f.action.shape == (14,) for f in frames)
+    with pytest.raises(SimError, match="render_every"):
+        next(scripted_episode_frames(sim, seed=1, steps=7, render_every=0))
+
+
 def test_transfer_cube_scripted_success() -> None:
     """A whole episode without rendering takes well under a second: cheap enough here."""
     traj = scripted_trajectory("transfer_cube", seed=0)

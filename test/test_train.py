@@ -37,6 +37,24 @@ def test_episodes_are_read_through_the_observation_rule(episodes):
         assert 0.0 <= e.states[0, 6] <= 1.2
 
 
+def test_sparse_frames_take_their_actions_from_every_tick(tmp_path):
+    """A bag rendered every 3rd tick: each frame knows its tick, and its chunk is the next
+    actions of every tick (not of the next frames)."""
+    from vla_accel_ros.cli import main as cli
+
+    bag = tmp_path / "sparse"
+    argv = ["sim", "record", "--task", "transfer_cube", "--episodes", "2", "--steps", "10", "--cameras", "top",
+            "--height", "48", "--width", "64", "--render-every", "3", "--out", str(bag)]  # fmt: skip
+    assert cli(argv) == 0
+    eps = read_episodes([bag], ("cam_high",), 224, progress=False)
+    assert [e.steps.tolist() for e in eps] == [[0, 3, 6, 9], [1, 4, 7]]  # the phase shifts per episode
+    assert all(e.actions.shape == (10, 14) and e.states.shape == (len(e), 14) for e in eps)
+    b = ChunkDataset(eps, chunk_size=4).batch(np.array([1, 5]))  # episode 0 frame 1, episode 1 frame 1
+    np.testing.assert_array_equal(b.actions[0].numpy(), eps[0].actions[3:7])
+    np.testing.assert_array_equal(b.actions[1].numpy(), eps[1].actions[4:8])
+    assert b.valid.all()
+
+
 def test_chunks_pad_past_the_episode_end(episodes):
     ds = ChunkDataset(episodes, chunk_size=5, stride=4)
     assert len(ds) == EPISODES * 3  # frames 0, 4, 8 of each episode
@@ -97,6 +115,26 @@ def test_train_cli_bundle_loads_passes_parity_and_resumes_exactly(demo_bag, tmp_
         sample = next(iter(bag.samples()))
     chunk = policy.infer(sample.observation)
     assert chunk.actions.shape == (4, 14) and np.isfinite(chunk.actions).all()
+
+
+def test_train_cli_image_grid_and_time_budget(demo_bag, tmp_path, capsys):
+    """--image-size / --patch-size set the token grid (a bundle every path loads, parity gate
+    passed); --max-minutes and --max-steps stop at a checkpoint that --resume continues."""
+    from vla_accel_ros.models.factory import load_policy
+
+    out = tmp_path / "grid"
+    common = ["train", "--family", "flow", "--size", "tiny", "--data", str(demo_bag), "--batch", "4",
+              "--val-episodes", "1", "--chunk-size", "4", "--threads", "1", "--no-progress", "--out", str(out),
+              "--image-size", "112", "--patch-size", "28", "--epochs", "2"]  # fmt: skip
+    assert main(common + ["--max-minutes", "1e-6"]) == 0
+    assert "stopped after 1e-06 min at step 1 of 6" in capsys.readouterr().err
+    policy = load_policy(out)
+    assert policy.spec.grid == 4 and policy.spec.image_size == 112 and policy.parity_report.passed
+    assert main(common + ["--resume", "--max-steps", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed at step 1 of 6" in err and "stopped at --max-steps 3 at step 3 of 6" in err
+    assert main(common + ["--resume"]) == 0
+    assert "resumed at step 3 of 6" in capsys.readouterr().err
 
 
 def _marker_bag(path, markers: dict[int, int], ticks: int = 6):

@@ -77,6 +77,7 @@ class EvalConfig:
     cache_overrides: dict[str, Any] = field(default_factory=dict)
     prune_overrides: dict[str, Any] = field(default_factory=dict)
     precision_overrides: dict[str, Any] = field(default_factory=dict)  # gate limits of the @precision modes
+    scheduler_overrides: dict[str, Any] = field(default_factory=dict)  # the controller's SchedulerConfig fields
     height: int = 480
     width: int = 640
     pipeline_depth: int = 4  # pipelined modes: frames in flight (the decode steps per frame follow)
@@ -106,6 +107,7 @@ class EvalConfig:
             raise ConfigError(f"--bundle {self.bundle} does not exist")
         names = parse_modes(list(self.modes))
         check_overrides(self)
+        GraphConfigs.load(self.params, self.scheduler_overrides)  # ConfigError: a bad file or --scheduler value
         if self.through_ros:
             for name in names:
                 graph_params(name, self)  # ConfigError: a mode the graph cannot run
@@ -138,14 +140,20 @@ class GraphConfigs:
                           max_state_age_ms=self.policy_node.max_state_age_ms, image_size=image_size)  # fmt: skip
 
     @classmethod
-    def load(cls, path: Path | None) -> "GraphConfigs":
-        """From the graph's ROS 2 parameter file (default: the package's config/aloha.yaml)."""
+    def load(cls, path: Path | None, scheduler: dict[str, Any] | None = None) -> "GraphConfigs":
+        """From the graph's ROS 2 parameter file (default: the package's config/aloha.yaml), with
+        ``scheduler`` fields (``--scheduler``) over the controller's scheduler section."""
         params = load_params(path or default_params_file())
         controller = node_config(params, "action_controller_node", ControllerConfig)
         camera = node_config(params, "camera_node", CameraConfig)
         policy_node = node_config(params, "policy_node", PolicyNodeConfig)
         # A simulated arm needs no enable call: output starts enabled.
         controller = controller.replace(safety=controller.safety.replace(start_enabled=True))
+        if scheduler:
+            try:
+                controller = controller.replace(scheduler=controller.scheduler.replace(**scheduler))
+            except ConfigError as e:
+                raise ConfigError(f"--scheduler {', '.join(f'{k}={v}' for k, v in scheduler.items())}: {e}") from None
         return cls(robot=controller.robot, camera=camera, policy_node=policy_node, controller=controller)
 
 
@@ -372,6 +380,9 @@ def graph_params(name: str, cfg: EvalConfig) -> dict[str, Any]:
     params = copy.deepcopy(load_params(cfg.params or default_params_file()))
     section = node_section(params, "policy_node")
     section["policy"] = unflatten(policy)
+    if cfg.scheduler_overrides:
+        controller = node_section(params, "action_controller_node")
+        controller["scheduler"] = {**controller.get("scheduler", {}), **cfg.scheduler_overrides}
     return params
 
 
@@ -488,7 +499,7 @@ def open_loop_error(policy, demos: list[Demo], lower: np.ndarray, upper: np.ndar
 def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> dict[str, Any]:
     cfg.validate()
     names = parse_modes(list(cfg.modes))
-    graph = GraphConfigs.load(cfg.params)
+    graph = GraphConfigs.load(cfg.params, cfg.scheduler_overrides)
     bundle = load_bundle(cfg.bundle)
     spec = bundle.spec
     if tuple(spec.joint_names) != tuple(graph.robot.joint_names):

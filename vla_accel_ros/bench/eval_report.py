@@ -104,6 +104,37 @@ def motion_rows(result: dict[str, Any]) -> list[list[str]]:
     return out
 
 
+def summary_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """One row per mode with what judges it against the baseline: success (Wilson 95%), the first
+    two task stages, the exact McNemar p-value of each against the baseline on the same seeds,
+    latency and speed-up, the ticks in fine motion and the image tokens kept in coarse / fine
+    motion (reports without stages: no rows)."""
+    names = [n for n in result["mode_order"] if result["modes"][n].get("stages")]
+    if not names:
+        return [], []
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:.0f}%"
+
+    stage_names = [s["name"] for s in result["modes"][names[0]]["stages"][:2]]
+    header = ["mode", "success (Wilson 95%)", *stage_names, f"McNemar p: success / {' / '.join(stage_names)}",
+              "p50 ms", "speedup", "ticks in fine", "tokens kept coarse / fine"]  # fmt: skip
+    out = []
+    for n in names:
+        m = result["modes"][n]
+        lo, hi = m["success_ci95"]
+        stages = [f"{s['reached']}/{m['episodes']}" for s in m["stages"][:2]]
+        p = m.get("paired_vs_baseline")
+        paired = "-" if p is None else " / ".join(f"{c['p_value']:.2f}" for c in (p["success"], *p["stages"][:2]))
+        kept = m.get("tokens_kept_fraction") or {}
+        out.append([
+            n, f"{m['successes']}/{m['episodes']} [{100 * lo:.0f}, {100 * hi:.0f}]%", *stages, paired,
+            f"{m['latency_ms']['p50']:.1f}", f"{m['speedup_vs_baseline']:.2f}x" if m.get("speedup_vs_baseline") else "-",
+            pct(m.get("fine_fraction")), f"{pct(kept.get('coarse'))} / {pct(kept.get('fine'))}",
+        ])  # fmt: skip
+    return header, out
+
+
 MOTION_HEADER = ["mode", "ticks in fine", "inferences coarse / fine", "tokens kept", "kept (coarse)", "kept (fine)", "reused"]
 
 
@@ -138,6 +169,17 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         "normalized), and as a fraction of each joint's range.",
         "",
     ]
+    header, summary = summary_rows(result)
+    if summary:
+        parts += [
+            "Every mode against the baseline in one table (the sections below have the details): success with its "
+            "Wilson interval, the first two task stages reached, the exact McNemar p-value of success and of those "
+            "stages against the baseline on the same seeds (per comparison, uncorrected), latency p50, the control "
+            "ticks in fine motion and the image tokens kept in coarse / fine motion.",
+            "",
+            _md_table(header, summary),
+            "",
+        ]
     header, stages = stage_rows(result)
     if stages:
         parts += [

@@ -49,6 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--precision", action="append", default=[], metavar="FIELD=VALUE",
         help="override a PrecisionConfig field (a gate limit) in every @precision mode",
     )  # fmt: skip
+    p.add_argument(
+        "--scheduler", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a field of the controller's chunk scheduler (SchedulerConfig), e.g. aggregation=temporal_ensemble",
+    )  # fmt: skip
     p.add_argument("--no-parity", action="store_true", help="skip the parity gate")
     p.add_argument(
         "--through-ros", action="store_true",
@@ -77,7 +81,8 @@ def _eval(args: argparse.Namespace) -> int:
         open_loop_stride=args.open_loop_stride, params=args.params, parity_check=not args.no_parity,
         num_threads=args.threads, flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
         prune_overrides=parse_overrides(args.prune, "--prune"),
-        precision_overrides=parse_overrides(args.precision, "--precision"), height=args.height, width=args.width,
+        precision_overrides=parse_overrides(args.precision, "--precision"),
+        scheduler_overrides=parse_overrides(args.scheduler, "--scheduler"), height=args.height, width=args.width,
         pipeline_depth=args.pipeline_depth, pipeline_steps=args.pipeline_steps, stream_every=args.stream_every,
         through_ros=args.through_ros, ros_one_process=args.one_process, ros_domain_id=args.domain_id,
         ros_episode_timeout_s=args.ros_episode_timeout,

@@ -28,6 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     r.add_argument("--height", type=int, default=480, help="image height (<= 480)")
     r.add_argument("--width", type=int, default=640, help="image width (<= 640)")
+    r.add_argument(
+        "--render-every", type=int, default=1, metavar="N",
+        help="render the cameras every N ticks only (joint states and actions at every tick; the phase shifts "
+        "per episode): rendering is most of the cost, and training reads the actions between frames",
+    )  # fmt: skip
     r.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap", help="sqlite3 for Humble robots")
     r.add_argument(
         "--no-compress", action="store_true",
@@ -49,13 +54,15 @@ def _record(args: argparse.Namespace) -> int:
     from vla_accel_ros.sim import SimConfig, scripted_frames
 
     cameras = tuple(c.strip() for c in args.cameras.split(",") if c.strip())
-    if args.episodes < 1 or args.steps < 1:
-        raise ConfigError(f"--episodes and --steps must be >= 1, got {args.episodes} and {args.steps}")
+    if args.episodes < 1 or args.steps < 1 or args.render_every < 1:
+        raise ConfigError(
+            f"--episodes, --steps and --render-every must be >= 1, got {args.episodes}, {args.steps} and {args.render_every}"
+        )
     # Validate before the bag directory exists (the frame generator starts lazily).
     SimConfig(task=args.task, cameras=cameras, height=args.height, width=args.width)
     frames = scripted_frames(
         args.task, args.episodes, seed=args.seed, steps=args.steps,
-        cameras=cameras, height=args.height, width=args.width,
+        cameras=cameras, height=args.height, width=args.width, render_every=args.render_every,
     )  # fmt: skip
     start_ns = time.time_ns() if args.start_time is None else int(args.start_time * 1e9)
     print(

@@ -29,6 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="bundle directory to write")
     p.add_argument("--size", choices=("tiny", "mini", "small"), default=d.size, help=f"model size (default {d.size})")
     p.add_argument("--cameras", default=",".join(d.cameras), help="comma-separated ROS camera names (default %(default)s)")
+    p.add_argument("--image-size", type=int, default=d.image_size, help="square image size (0: the preset's, 224)")
+    p.add_argument(
+        "--patch-size", type=int, default=d.patch_size,
+        help="pixels per image-token side (0: the preset's, 14); e.g. 28 at 224 px: 8 x 8 tokens per camera",
+    )  # fmt: skip
     p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="actions per inference (0: ar 10, flow 50)")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--batch", type=int, default=d.batch_size)
@@ -37,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--frame-stride", type=int, default=d.frame_stride, help="train on every N-th frame")
     p.add_argument("--val-episodes", type=int, default=d.val_episodes, help="episodes held out (the last ones)")
+    p.add_argument(
+        "--train-episodes", type=int, default=0, metavar="N",
+        help="train on the first N episodes only (0: all but the held-out ones; those stay the last --val-episodes)",
+    )  # fmt: skip
     p.add_argument("--shift", type=int, default=d.shift, help="augmentation: random image shift in pixels (0: off)")
     p.add_argument("--fp32", action="store_true", help="no bfloat16 autocast in the forward pass")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -48,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning", default="", metavar="TASK",
                    help="ar: train a reasoning policy on TASK's templated reasoning (e.g. transfer_cube)")
     p.add_argument("--init-from", default="", metavar="BUNDLE", help="start from this bundle's weights (same module shapes)")
+    p.add_argument("--max-steps", type=int, default=d.max_steps,
+                   help="stop at a checkpoint at this optimizer step (0: no limit); --resume continues")
+    p.add_argument("--max-minutes", type=float, default=d.max_minutes,
+                   help="stop at a checkpoint after this many minutes (0: no limit); --resume continues")
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
@@ -60,12 +73,15 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(
         family=args.family, size=args.size, cameras=tuple(c.strip() for c in args.cameras.split(",") if c.strip()),
+        image_size=args.image_size, patch_size=args.patch_size, max_steps=args.max_steps, max_minutes=args.max_minutes,
         chunk_size=args.chunk_size, epochs=args.epochs, batch_size=args.batch, lr=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
         val_episodes=args.val_episodes, shift=args.shift, bf16=not args.fp32, seed=args.seed, threads=args.threads,
         device=args.device, checkpoint_every=args.checkpoint_every, save_dtype=args.save_dtype, name=args.name,
         reasoning=args.reasoning, init_from=args.init_from,
     )  # fmt: skip
+    if args.train_episodes < 0:
+        raise ConfigError(f"--train-episodes must be >= 0, got {args.train_episodes}")
     missing = [str(b) for b in args.data if not b.exists()]
     if missing:
         raise ConfigError(f"--data: no such bag(s): {', '.join(missing)}")
@@ -77,7 +93,12 @@ def _train(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     t0 = time.perf_counter()
-    episodes = read_episodes(args.data, cfg.cameras, 224, progress=progress)
+    episodes = read_episodes(args.data, cfg.cameras, cfg.resolved_image_size(), progress=progress)
+    if args.train_episodes:
+        if not 0 < args.train_episodes <= len(episodes) - cfg.val_episodes:
+            raise ConfigError(f"--train-episodes {args.train_episodes}: the bags have {len(episodes) - cfg.val_episodes} "
+                              f"training episodes besides the {cfg.val_episodes} held out")  # fmt: skip
+        episodes = episodes[: args.train_episodes] + episodes[len(episodes) - cfg.val_episodes :]
     frames = sum(len(e) for e in episodes)
     print(f"read {len(episodes)} episodes, {frames} frames in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     task = _task_name(episodes[0].instruction)

@@ -45,19 +45,30 @@ def scripted_episode_frames(
     steps: int = EPISODE_STEPS,
     cameras: Sequence[str] | None = None,
     episode: int = 0,
+    render_every: int = 1,
 ) -> Iterator[Frame]:
     """Reset ``sim`` with ``seed`` and yield ``steps`` frames of the task's scripted expert.
 
     cameras: rendered per frame (None: the sim config's). Rendering dominates the cost
     (~15 frames/s for one 640x480 camera on a CPU); the expert itself is ~1 ms a step.
+    ``render_every`` > 1 renders only every that many ticks (the others carry no images, but
+    their joint states and actions); the phase shifts with ``episode`` so that a recording
+    covers every tick modulo ``render_every``.
     """
     if steps < 1:
         raise SimError(f"steps must be >= 1, got {steps}")
-    obs = sim.reset(seed, cameras=cameras)
+    if render_every < 1:
+        raise SimError(f"render_every must be >= 1, got {render_every}")
+    phase = episode % render_every
+
+    def cams_at(t: int) -> Sequence[str] | None:
+        return cameras if t < steps and (t - phase) % render_every == 0 else ()
+
+    obs = sim.reset(seed, cameras=cams_at(0))
     expert = ScriptedExpert(sim.config.task, sim.seed, sim.object_qpos)
     for t in range(steps):
         action = expert.act(t, sim.object_qpos)
-        nxt = sim.step(action, cameras=cameras if t + 1 < steps else ())
+        nxt = sim.step(action, cameras=cams_at(t + 1))
         yield Frame(
             episode=episode,
             seed=sim.seed,
@@ -106,13 +117,15 @@ def scripted_frames(
     cameras: Sequence[str] = ("top",),
     height: int = 480,
     width: int = 640,
+    render_every: int = 1,
 ) -> Iterator[Frame]:
-    """Frames of ``episodes`` scripted episodes, episode i seeded ``seed + i``."""
+    """Frames of ``episodes`` scripted episodes, episode i seeded ``seed + i`` (images every
+    ``render_every`` ticks, see :func:`scripted_episode_frames`)."""
     if episodes < 1:
         raise SimError(f"episodes must be >= 1, got {episodes}")
     sim = AlohaSim(SimConfig(task=task, cameras=tuple(cameras), height=height, width=width))
     for i in range(episodes):
-        yield from scripted_episode_frames(sim, seed + i, steps, cameras=None, episode=i)
+        yield from scripted_episode_frames(sim, seed + i, steps, cameras=None, episode=i, render_every=render_every)
 
 
 __all__ = ["DT", "Frame", "ScriptedTrajectory", "scripted_episode_frames", "scripted_frames", "scripted_trajectory"]

@@ -15,6 +15,7 @@ episodes only.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -27,22 +28,54 @@ from vla_accel_ros.core.reasoning.template import ReasoningTemplate
 from vla_accel_ros.core.text import words_of
 
 
+class PackedFrames:
+    """Frames [T, C, S, S, 3] uint8 held zlib-compressed, one frame (all cameras) per entry:
+    rendered scenes compress ~14x, so hundreds of episodes fit in memory, and a frame costs
+    ~0.2 ms to unpack when a batch takes it."""
+
+    def __init__(self, frames: Sequence[np.ndarray]) -> None:
+        if not frames:
+            raise BagError("an episode needs at least one frame")
+        self._shape = tuple(frames[0].shape)
+        self._blobs = [zlib.compress(np.ascontiguousarray(f, np.uint8).tobytes(), 1) for f in frames]
+
+    dtype = np.dtype(np.uint8)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self._blobs), *self._shape)
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.frombuffer(zlib.decompress(self._blobs[int(i)]), np.uint8).reshape(self._shape)
+
+
 @dataclass
 class Episode:
     """One recorded episode at the model's resolution.
 
-    frames: [T, C, S, S, 3] uint8; states: [T, D_s] float32 (robot units, grippers normalized);
-    actions: [T, D] float32; instruction: the episode's instruction ('' when the bag has none).
+    frames: [T, C, S, S, 3] uint8 (an array or :class:`PackedFrames`); states: [T, D_s] float32
+    (robot units, grippers normalized) at the frames; actions: [N, D] float32, one per control
+    tick; steps: [T] the tick of each frame (None: one frame per tick, N == T; a bag recorded
+    with ``sim record --render-every`` has frames at some ticks only, and actions at all);
+    instruction: the episode's instruction ('' when the bag has none).
     """
 
     source: str  # "<bag>#<episode index>"
-    frames: np.ndarray
+    frames: np.ndarray | PackedFrames
     states: np.ndarray
     actions: np.ndarray
     instruction: str
+    steps: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.frames.shape[0])
+
+    def tick(self, t: int) -> int:
+        """The control tick of frame ``t`` (the index of its action)."""
+        return int(t) if self.steps is None else int(self.steps[int(t)])
 
 
 @dataclass
@@ -92,42 +125,69 @@ def read_episodes(
     """Every episode of ``bags`` with the ``cameras`` (ROS camera names) at ``image_size``.
 
     Episodes without recorded actions or joint states are an error: behaviour cloning needs
-    both. Frames are kept at the model's resolution only (a 480x640 frame is 4x the memory)."""
+    both. Frames are kept at the model's resolution only (a 480x640 frame is 4x the memory),
+    compressed (:class:`PackedFrames`). The actions are read at every tick, also between
+    frames (a bag rendered every few ticks), and each frame knows its tick."""
     from tqdm import tqdm
 
     from vla_accel_ros.core.robot.config import SyncConfig
     from vla_accel_ros.io.bag_reader import BagReader
 
-    parts: list[dict] = []  # per episode: lists of frames, states, actions
+    episodes: list[Episode] = []
     for path in bags:
         with BagReader(path) as bag:
             have = bag.cameras()
             missing = [c for c in cameras if c not in have]
             if missing:
                 raise BagError(f"{path} has no camera(s) {', '.join(missing)}; it has {', '.join(sorted(have))}")
+            action_topic = bag.layout.action_topic
             total = bag.topics[have[cameras[0]]].count
             bar = tqdm(total=total, desc=f"reading {Path(path).name}", unit="frame", disable=not progress, leave=False)
-            segment = None
+            parts: dict[int, dict] = {}  # segment -> lists of frames, states, action stamps
             for sample in bag.samples(SyncConfig(cameras=tuple(cameras), image_size=image_size)):
                 bar.update(1)
                 obs = sample.observation
                 if sample.action is None or obs.state is None:
                     raise BagError(f"{path}: behaviour cloning needs recorded actions and joint states at every frame")
-                if segment != sample.segment:  # every episode marker starts one, even with a repeated index
-                    segment = sample.segment
-                    parts.append({"source": f"{path}#{obs.episode}", "instruction": obs.instruction, "f": [], "s": [], "a": []})
-                cur = parts[-1]
+                # every episode marker starts one, even with a repeated index
+                cur = parts.setdefault(sample.segment, {"source": f"{path}#{obs.episode}", "instruction": obs.instruction,
+                                                        "f": [], "s": [], "t": []})  # fmt: skip
                 cur["f"].append(np.stack([obs.images[c] for c in cameras]))  # [C, S, S, 3], resized by the rule
                 cur["s"].append(np.asarray(obs.state, np.float32))
-                cur["a"].append(np.asarray(sample.action, np.float32))
+                cur["t"].append(sample.stamps[action_topic])
             bar.close()
-    if not parts:
+            actions = _actions_by_segment(bag, set(parts))
+            for seg, p in parts.items():
+                stamps, acts = actions[seg]
+                steps = np.searchsorted(stamps, np.asarray(p["t"], np.int64))
+                if np.any(steps >= len(stamps)) or np.any(stamps[np.minimum(steps, len(stamps) - 1)] != p["t"]):
+                    raise BagError(f"{path}: a frame's action is missing from the episode's actions")
+                episodes.append(Episode(
+                    source=p["source"], frames=PackedFrames(p["f"]), states=np.stack(p["s"]),
+                    actions=acts, instruction=p["instruction"], steps=steps.astype(np.int64),
+                ))  # fmt: skip
+    if not episodes:
         raise BagError(f"no usable frames in {', '.join(map(str, bags))}")
-    return [
-        Episode(source=p["source"], frames=np.stack(p["f"]), states=np.stack(p["s"]), actions=np.stack(p["a"]),
-                instruction=p["instruction"])
-        for p in parts
-    ]  # fmt: skip
+    return episodes
+
+
+def _actions_by_segment(bag, segments: set[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """segment -> (bag stamps [N], actions [N, D] float32) of every recorded action, counting
+    segments as :meth:`BagReader.samples` does (one per episode marker)."""
+    from vla_accel_ros.io.bag_reader import in_tick_order
+
+    lay = bag.layout
+    topics = [t for t in (lay.action_topic, lay.episode_topic) if t in bag.topics]
+    out: dict[int, tuple[list, list]] = {}
+    segment = 0
+    for m in in_tick_order(bag.messages(topics), lay, ()):
+        if m.topic == lay.episode_topic:
+            segment += 1
+        elif segment in segments:
+            stamps, acts = out.setdefault(segment, ([], []))
+            stamps.append(m.stamp_ns)
+            acts.append(np.asarray(bag._action(m.data), np.float32))
+    return {k: (np.asarray(st, np.int64), np.stack(a)) for k, (st, a) in out.items()}
 
 
 def split_episodes(episodes: list[Episode], val_episodes: int) -> tuple[list[Episode], list[Episode]]:
@@ -188,8 +248,9 @@ class ChunkDataset:
         for r in rows:
             ei, t = self.index[int(r)]
             e = self.episodes[int(ei)]
-            end = min(len(e), t + h)
-            chunk = e.actions[t:end]
+            tick = e.tick(t)
+            end = min(len(e.actions), tick + h)
+            chunk = e.actions[tick:end]
             pad = h - chunk.shape[0]
             if pad:
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)])
@@ -198,7 +259,7 @@ class ChunkDataset:
             actions.append(chunk)
             valid.append(np.arange(h) < h - pad)
             if self.reasoning is not None:
-                reasoning.append(words_of(self.reasoning.text(int(t), e.states[t])))
+                reasoning.append(words_of(self.reasoning.text(tick, e.states[t])))
         raw = torch.from_numpy(np.stack(frames))  # [B, C, S, S, 3] uint8
         pixels = raw.permute(0, 1, 4, 2, 3).float().div_(127.5).sub_(1.0)  # as preprocess_frames
         if shift > 0:

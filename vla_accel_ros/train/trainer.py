@@ -31,6 +31,9 @@ from vla_accel_ros.train.data import ChunkDataset, DataStats, Episode, compute_s
 
 CHECKPOINT_DIR = "checkpoint"
 LOG_FILE = "train_log.jsonl"
+PRESET_IMAGE_SIZE = 224  # the image size of the families' size presets (models.demo)
+# Settings a resumed run may change (how long and where it runs, not what it learns).
+RUN_SETTINGS = ("epochs", "threads", "device", "checkpoint_every", "max_steps", "max_minutes")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,11 @@ class TrainConfig(Config):
     family: str = param("flow", doc="policy family (one that trains from bags: ar, flow)")
     size: str = param("mini", doc="model size preset", choices=("tiny", "mini", "small"))
     cameras: tuple[str, ...] = param(("cam_high",), doc="ROS camera names the policy sees, in token order")
+    image_size: int = param(0, doc="square image size of the vision tower (0: the size preset's, 224)", range=(0, 2048))
+    patch_size: int = param(
+        0, doc="pixels per image-token side (0: the preset's, 14): (image_size / patch_size)^2 tokens per camera",
+        range=(0, 2048),
+    )  # fmt: skip
     chunk_size: int = param(0, doc="actions per inference (0: the family's default: ar 10, flow 50)", range=(0, 1024))
     epochs: int = param(20, doc="passes over the training frames", range=(1, 100_000))
     batch_size: int = param(16, doc="samples per optimizer step", range=(1, 4096))
@@ -61,6 +69,13 @@ class TrainConfig(Config):
         "", doc="ar: write the task's templated reasoning before the actions (a task name, e.g. transfer_cube; '': none)"
     )
     init_from: str = param("", doc="start from the weights of this bundle (same module shapes; '': random init)")
+    max_steps: int = param(
+        0, doc="stop at this optimizer step, at a checkpoint (0: run every epoch); --resume goes on", range=(0, 10**9)
+    )
+    max_minutes: float = param(
+        0.0, doc="stop after this many minutes of training, at a checkpoint (0: run every epoch); --resume goes on",
+        range=(0.0, 1e7),
+    )  # fmt: skip
 
     def validate(self) -> None:
         try:
@@ -72,6 +87,9 @@ class TrainConfig(Config):
             raise ConfigError(f"TrainConfig.family={self.family!r} does not train from bags here; use one of {', '.join(trainable)}")
         if self.reasoning and not family.writes_reasoning:
             raise ConfigError(f"TrainConfig.reasoning={self.reasoning!r}: the {self.family} family writes no reasoning")
+
+    def resolved_image_size(self) -> int:
+        return self.image_size or PRESET_IMAGE_SIZE
 
     def resolved_chunk(self) -> int:
         return self.chunk_size or get_family(self.family).default_chunk_size
@@ -132,6 +150,12 @@ class Trainer:
             # headroom over the template's longest text: a policy may ramble before <act>
             max_reasoning_tokens=template.max_tokens() + 8 if template else 0,
         )  # fmt: skip
+        if cfg.image_size or cfg.patch_size:
+            # One vision patch per image token (ar, flow): the tower's sizes are the bundle's.
+            size, patch = cfg.image_size or self.spec.image_size, cfg.patch_size or self.spec.patch_size
+            self.spec = self.spec.replace(
+                image_size=size, patch_size=patch, vision={**self.spec.vision, "image_size": size, "patch_size": patch}
+            )
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
@@ -196,7 +220,7 @@ class Trainer:
             return False
         meta = json.loads((d / "trainer.json").read_text())
         saved = TrainConfig.from_dict(meta["config"])
-        same = {k: v for k, v in saved.to_dict().items() if k not in ("epochs", "threads", "device", "checkpoint_every")}
+        same = {k: v for k, v in saved.to_dict().items() if k not in RUN_SETTINGS}
         mine = {k: v for k, v in self.cfg.to_dict().items() if k in same}
         if same != mine:
             diff = sorted(k for k in same if same[k] != mine[k])
@@ -282,6 +306,12 @@ class Trainer:
                     bar.set_postfix(epoch=epoch + 1, loss=f"{np.mean(losses[-50:]):.4f}")
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save_checkpoint()
+                    limit = self._limit_reached(t0)
+                    if limit:
+                        self.save_checkpoint()
+                        bar.write(f"stopped {limit} at step {self.step} of {self.total_steps} (--resume goes on)",
+                                  file=sys.stderr)  # fmt: skip
+                        return self._result(t0)
                 val = self.validate()
                 entry = {"epoch": epoch + 1, "step": self.step, "train_loss": float(np.mean(losses)) if losses else None,
                          "val_loss": val, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
@@ -294,9 +324,21 @@ class Trainer:
         finally:
             bar.close()
             log.close()
+        return self._result(t0)
+
+    def _limit_reached(self, t0: float) -> str:
+        """Why this run stops here ('' : it goes on): --max-steps or --max-minutes."""
+        cfg = self.cfg
+        if cfg.max_steps and self.step >= cfg.max_steps:
+            return f"at --max-steps {cfg.max_steps}"
+        if cfg.max_minutes and time.perf_counter() - t0 > 60.0 * cfg.max_minutes:
+            return f"after {cfg.max_minutes:g} min"
+        return ""
+
+    def _result(self, t0: float) -> TrainResult:
         return TrainResult(
-            bundle=self.out, steps=self.step, epochs=cfg.epochs, seconds=time.perf_counter() - t0,
-            train_samples=self.step * cfg.batch_size, val_loss=self.history[-1]["val_loss"] if self.history else None,
+            bundle=self.out, steps=self.step, epochs=self.cfg.epochs, seconds=time.perf_counter() - t0,
+            train_samples=self.step * self.cfg.batch_size, val_loss=self.history[-1]["val_loss"] if self.history else None,
             history=self.history,
         )  # fmt: skip
 
