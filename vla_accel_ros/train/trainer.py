@@ -31,7 +31,6 @@ from vla_accel_ros.train.data import ChunkDataset, DataStats, Episode, compute_s
 
 CHECKPOINT_DIR = "checkpoint"
 LOG_FILE = "train_log.jsonl"
-PRESET_IMAGE_SIZE = 224  # the image size of the families' size presets (models.demo)
 # Settings a resumed run may change (how long and where it runs, not what it learns).
 RUN_SETTINGS = ("epochs", "threads", "device", "checkpoint_every", "max_steps", "max_minutes")
 
@@ -89,7 +88,10 @@ class TrainConfig(Config):
             raise ConfigError(f"TrainConfig.reasoning={self.reasoning!r}: the {self.family} family writes no reasoning")
 
     def resolved_image_size(self) -> int:
-        return self.image_size or PRESET_IMAGE_SIZE
+        """The image size frames are read at: --image-size, else the size preset's (models.demo)."""
+        from vla_accel_ros.models.factory import demo_spec
+
+        return self.image_size or demo_spec(self.family, self.size).image_size
 
     def resolved_chunk(self) -> int:
         return self.chunk_size or get_family(self.family).default_chunk_size
