@@ -628,3 +628,135 @@ def test_a_recorder_interrupted_while_it_is_built_closes_its_bag(ros_context, tm
     with pytest.raises(KeyboardInterrupt):
         InterruptedRecorder(context=ros_context, parameter_overrides=overrides)
     assert (out / "metadata.yaml").is_file()
+
+
+# A node spun by spin_node in a process of its own (the tests below): the tests' code is the child's.
+_SPUN_NODE = """
+import os, signal, sys, threading
+from rclpy.node import Node
+from vla_accel_ros.ros.common import spin_node
+
+class Spun(Node):
+    def __init__(self):
+        super().__init__("spun")
+        self.ticks, self.raised = 0, []
+        self.create_timer(0.001, self.tick)
+    def close(self):
+        print("closed", self.ticks, self.raised, flush=True)
+{body}
+spin_node(Spun, ["spun"])
+print("returned", flush=True)
+"""
+
+
+def _spin_in_a_process(body: str):
+    """``_SPUN_NODE`` with ``body`` (its callbacks) in a process of its own, on the test's domain
+    (the ros_domain fixture's environment)."""
+    import os
+    import subprocess
+    import sys
+
+    code = _SPUN_NODE.format(body=body)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+
+
+def test_ctrl_c_while_a_node_spins_only_asks_its_loop_to_stop(ros_domain):
+    """Once spin_node spins, SIGINT and SIGTERM set a flag its loop reads; their handlers do not
+    raise. A KeyboardInterrupt raised wherever the spinning thread is can land in the
+    executor's dispatch (ThreadPoolExecutor.submit's idle semaphore, a pure-Python Condition)
+    with that lock taken: every pool thread then blocks on it after its callback and the drain
+    waits forever (the recorder under ros2 launch, killed after SIGTERM). Here a callback, while
+    callbacks run back to back, calls the handlers as the signals would, then sends a real
+    SIGINT: no handler raised, the node closed, spin_node returned, exit 0."""
+    body = """
+    def tick(self):
+        self.ticks += 1
+        if self.ticks == 50:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    signal.getsignal(sig)(sig, None)
+                except KeyboardInterrupt:
+                    self.raised.append(signal.Signals(sig).name)
+            os.kill(os.getpid(), signal.SIGINT)
+"""
+    proc = _spin_in_a_process(body)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+    closed = [line for line in out.splitlines() if line.startswith("closed")]
+    assert closed and closed[0].endswith(" []"), out[-3000:]  # no handler raised
+    assert out.rstrip().endswith("returned"), out[-3000:]
+
+
+def test_a_callback_still_running_after_ctrl_c_is_named_and_the_process_still_ends(ros_domain):
+    """A callback that never returns: spin_node waits DRAIN_TIMEOUT_S for it, logs where it is,
+    and ends the process (status 1) instead of waiting for it forever, as the interpreter's exit
+    would (it joins the executor's threads), until ros2 launch's SIGKILL."""
+    import signal
+    import subprocess
+    import time
+
+    from vla_accel_ros.ros.common import DRAIN_TIMEOUT_S
+
+    body = """
+    def tick(self):
+        self.ticks += 1
+        if self.ticks == 1:
+            print("stuck", flush=True)
+            threading.Event().wait()
+"""
+    proc = _spin_in_a_process(body)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "stuck", line + proc.stdout.read()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out[-3000:]
+    assert "still running" in out and " tick" in out, out[-3000:]  # the callback, by name
+    assert "returned" not in out and seconds < DRAIN_TIMEOUT_S + 3.0, (seconds, out[-3000:])
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_any_moment_of_a_busy_executors_dispatch_ends_spin_node(ros_domain):
+    """The failure itself, by chance: spin_node cycles on a node whose executor dispatches
+    without a pause (100 timers at 1 ms), each ended by a SIGINT at a random moment. With the
+    KeyboardInterrupt raised inside the dispatch, a cycle hung in the drain (every pool thread
+    in the idle semaphore's release) or lost the Ctrl-C in a finalizer within 18 to 80 cycles
+    (4 runs of 100 on 2 cores); each cycle must end, and all of them, within 10 s each."""
+    import os
+    import subprocess
+    import sys
+
+    cycles = 150
+    code = f"""
+import faulthandler, os, random, signal, threading
+from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.node import Node
+from vla_accel_ros.ros.common import spin_node
+
+rng = random.Random(0)
+
+class Busy(Node):
+    def __init__(self):
+        super().__init__("busy")
+        group = ReentrantCallbackGroup()
+        for _ in range(100):
+            self.create_timer(0.001, lambda: None, callback_group=group)
+        self.arm = self.create_timer(0.001, self.sigint_soon)  # its own (exclusive) group: once
+    def sigint_soon(self):
+        self.arm.cancel()  # it spins: one SIGINT a moment later
+        threading.Timer(rng.uniform(0.02, 0.3), os.kill, (os.getpid(), signal.SIGINT)).start()
+
+for i in range({cycles}):
+    faulthandler.dump_traceback_later(10, exit=True)  # a cycle that hangs: every thread's stack
+    spin_node(Busy, ["busy"])
+    faulthandler.cancel_dump_traceback_later()
+print("cycles", i + 1, flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == f"cycles {cycles}", out.stdout[-2000:] + out.stderr[-6000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import math
 import os
@@ -10,6 +11,8 @@ import signal
 import sys
 import threading
 import time
+import traceback
+import types
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
@@ -157,17 +160,44 @@ class DropCounter:
 
 
 
-def drain_executor(executor: MultiThreadedExecutor, timeout_s: float = 5.0) -> None:
+def drain_executor(executor: MultiThreadedExecutor, timeout_s: float | None = None) -> list[str]:
     """Shut ``executor`` down after it stopped spinning, so nodes can then be destroyed with no
     callback running. Callbacks already handed to its thread pool finish first: each one
     triggers the executor's guard condition when it ends, and rclpy 7's ``shutdown`` destroys
     that guard without waiting for them (its wait is skipped once the shutdown flag is set), so a
-    late callback would raise into a future nobody reads ("exception was never retrieved")."""
-    pool = getattr(executor, "_executor", None)  # MultiThreadedExecutor's ThreadPoolExecutor
-    if pool is not None and hasattr(pool, "shutdown"):
-        pool.shutdown(wait=True)
-    executor.shutdown(timeout_sec=timeout_s)
+    late callback would raise into a future nobody reads ("exception was never retrieved").
 
+    ``timeout_s`` bounds the wait for the pool's threads (None: as long as they take). Returns
+    what still runs then, one line per thread (its innermost frames), or [] when every callback
+    finished. A thread left running is not waited for here, but the interpreter still joins it
+    at exit (concurrent.futures' atexit hook): the caller decides what to do about it."""
+    pool = getattr(executor, "_executor", None)  # MultiThreadedExecutor's ThreadPoolExecutor
+    running: list[str] = []
+    if pool is not None and hasattr(pool, "shutdown"):
+        threads = list(getattr(pool, "_threads", ()))
+        pool.shutdown(wait=timeout_s is None)
+        if timeout_s is not None:
+            deadline = time.monotonic() + timeout_s
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            running = [_where(t) for t in threads if t.is_alive()]
+    if running and "wait_for_threads" in inspect.signature(executor.shutdown).parameters:
+        executor.shutdown(timeout_sec=0.0, wait_for_threads=False)  # rclpy with ros2/rclpy#1309 would join them
+    else:
+        executor.shutdown(timeout_sec=0.0 if running else (5.0 if timeout_s is None else timeout_s))
+    return running
+
+
+def _where(thread: threading.Thread, depth: int = 4) -> str:
+    """``thread``'s name and innermost ``depth`` frames, innermost first, on one line."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    stack = traceback.extract_stack(frame)[-depth:] if frame is not None else []
+    return f"{thread.name}: " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack))
+
+
+# How long spin_node waits for callbacks still running once the node closed: they take
+# milliseconds; with the policy's CLOSE_WAIT_S (3 s) it stays within the 5 s ros2 launch gives.
+DRAIN_TIMEOUT_S = 2.0
 
 SUMMARY_OUT = "--summary-out"  # a node's own argument (outside --ros-args): write summary() there at exit
 
@@ -229,47 +259,75 @@ def spin_node(
     into a context that is already shut down. ``rclpy.init()`` with try/finally (not ``with``),
     which works from Humble on.
 
+    While the node starts they raise KeyboardInterrupt; once it spins they only ask the loop to
+    stop (a flag it reads between two ``spin_once``). A KeyboardInterrupt raised wherever the
+    spinning thread happens to be lands inside the executor's dispatch: in
+    ``ThreadPoolExecutor.submit``, whose idle semaphore is a pure-Python ``threading.Condition``,
+    it can leave that lock taken for good (raised in ``Condition.__enter__`` after the lock was
+    taken), so every pool thread blocks on it once its callback returns and the drain (and the
+    interpreter's exit, which joins the pool too) waits forever; in a finalizer (rclpy's
+    ``Future.__del__``) it is printed as "Exception ignored" and the Ctrl-C is lost.
+
     For a launcher that runs each node in its own process (``vla-accel bringup``): SIGUSR1
     resets the node's statistics (``reset_stats``) and ``--summary-out PATH`` (before
     ``--ros-args``) writes ``summary()`` (with the process id) as JSON to PATH once the node has
     closed. ``threads`` 1 spins a SingleThreadedExecutor (less overhead per callback than a
     thread pool); ``prepare(node)`` runs in this (the spinning) thread before it spins.
+
+    A callback still running :data:`DRAIN_TIMEOUT_S` after the node closed is logged (where it
+    is) and the process ends with status 1 without waiting for it (no thread could join it).
     """
     argv = list(sys.argv if args is None else args)
     summary_out = _pop_option(argv, SUMMARY_OUT)
     prefer_responsive_threads()
     return_freed_frames_to_the_system()
-    reset = threading.Event()
+    # Set by the signal handlers, read by the loop: plain assignments, no lock a handler could
+    # wait on while the interrupted thread holds it (threading.Event.set takes one).
+    asked = types.SimpleNamespace(stop=False, reset=False)
     stop_on_sigint()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # the same orderly end as Ctrl-C
-    signal.signal(signal.SIGUSR1, lambda *_: reset.set())
+    signal.signal(signal.SIGUSR1, lambda *_: setattr(asked, "reset", True))
     rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
     node = executor = None
+    still_running: list[str] = []
     try:
         executor = make_executor(threads)
         node = factory()
         executor.add_node(node)
         if prepare is not None:
             prepare(node)
-        while rclpy.ok():
+        for sig in (signal.SIGINT, signal.SIGTERM):  # from here on: stop at the loop's check (see above)
+            signal.signal(sig, lambda *_: setattr(asked, "stop", True))
+        while rclpy.ok() and not asked.stop:
             executor.spin_once(timeout_sec=0.1)
-            if reset.is_set():
-                reset.clear()
+            if asked.reset:
+                asked.reset = False
                 getattr(node, "reset_stats", lambda: None)()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # launch's escalation still can
         if node is not None:
             getattr(node, "close", lambda: None)()  # the worker stops while the context is valid
         if executor is not None:
-            drain_executor(executor)
+            still_running = drain_executor(executor, DRAIN_TIMEOUT_S)
         if node is not None:
+            if still_running:
+                node.get_logger().error(
+                    f"{len(still_running)} callback thread(s) still running {DRAIN_TIMEOUT_S:g} s after the node closed, "
+                    f"exiting without them: {'; '.join(still_running)}"
+                )
             if summary_out:
                 summary = {**getattr(node, "summary", dict)(), "pid": os.getpid()}
                 Path(summary_out).write_text(json.dumps(summary, default=str) + "\n")
-            node.destroy_node()
+            if not still_running:  # a callback still in it may use it
+                node.destroy_node()
         rclpy.try_shutdown()
+        if still_running:  # the interpreter's exit would join the stuck thread: end here instead
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         # The interpreter's finalization then skips the collector's passes over every object still
         # alive (torch, transformers, a loaded model): 1.5 s for the small bundle on an idle
         # machine, 2-3 s on a loaded one (measured), most of the 5 s ros2 launch waits after Ctrl-C.
