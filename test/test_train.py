@@ -55,6 +55,20 @@ def test_sparse_frames_take_their_actions_from_every_tick(tmp_path):
     assert b.valid.all()
 
 
+def test_random_shift_is_the_crop_of_an_edge_padded_image():
+    from vla_accel_ros.train.data import random_shift
+
+    frames = torch.randint(0, 256, (3, 2, 16, 16, 3), dtype=torch.uint8)
+    shift = 5
+    out = random_shift(frames, shift, torch.Generator().manual_seed(7))
+    off = torch.randint(0, 2 * shift + 1, (6, 2), generator=torch.Generator().manual_seed(7)).tolist()  # the same draws
+    flat, got = frames.reshape(6, 16, 16, 3).numpy(), out.reshape(6, 16, 16, 3).numpy()
+    assert any(y != shift or x != shift for y, x in off)  # something moved
+    for img, res, (y, x) in zip(flat, got, off):
+        padded = np.pad(img, ((shift, shift), (shift, shift), (0, 0)), mode="edge")
+        np.testing.assert_array_equal(res, padded[y : y + 16, x : x + 16])
+
+
 def test_chunks_pad_past_the_episode_end(episodes):
     ds = ChunkDataset(episodes, chunk_size=5, stride=4)
     assert len(ds) == EPISODES * 3  # frames 0, 4, 8 of each episode

@@ -204,8 +204,13 @@ def preprocess_frames(images: Mapping[str, np.ndarray], cameras: tuple[str, ...]
     if missing:
         raise ObservationError(f"observation lacks camera(s) {', '.join(missing)}; has {', '.join(images) or 'none'}")
     raw = torch.stack([resize_uint8(images[c], size) for c in cameras])  # [C, S, S, 3]
-    pixels = raw.permute(0, 3, 1, 2).float().div_(127.5).sub_(1.0)  # SigLIP: mean 0.5, std 0.5
-    return Frames(cameras=cameras, raw=raw, pixels=pixels)
+    return Frames(cameras=cameras, raw=raw, pixels=siglip_pixels(raw))
+
+
+def siglip_pixels(raw: torch.Tensor) -> torch.Tensor:
+    """Frames [..., S, S, 3] uint8 -> the vision tower's input [..., 3, S, S] float in [-1, 1]
+    (SigLIP: mean 0.5, std 0.5). Training and inference both normalize here."""
+    return raw.movedim(-1, -3).float().div_(127.5).sub_(1.0)
 
 
 class Normalizer:

@@ -27,6 +27,7 @@ import torch
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import BundleError, ConfigError
 from vla_accel_ros.models.family import family_names, get_family
+from vla_accel_ros.models.common import siglip_pixels
 from vla_accel_ros.train.data import ChunkDataset, DataStats, Episode, compute_stats, split_episodes
 
 CHECKPOINT_DIR = "checkpoint"
@@ -253,7 +254,7 @@ class Trainer:
         extra = {"reasoning": batch.reasoning} if batch.reasoning is not None else {}
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             return self.policy.training_loss(
-                batch.pixels.to(dev), batch.states.to(dev), batch.instruction,
+                siglip_pixels(batch.frames.to(dev)), batch.states.to(dev), batch.instruction,
                 batch.actions.to(dev), batch.valid.to(dev), generator, **extra,
             )  # fmt: skip
 
