@@ -118,7 +118,10 @@ def model_from_bundle(bundle: Bundle) -> nn.Module:
     check_weights(bundle.path, bundle.spec, weights)  # before anything is allocated
     with skip_init():
         model = build_model(bundle.spec)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in bundle.state_dict.items()}, strict=True)
+    # assign: the parameters become the loaded tensors instead of copies of them. An fp32 file's
+    # tensors are memory-mapped (safetensors), so its weights are never held twice: a 3.2 B fp32
+    # pi0 peaked at 23.9 GB resident with the copy, on a 24 GiB machine.
+    model.load_state_dict({k: v.to(torch.float32) for k, v in bundle.state_dict.items()}, strict=True, assign=True)
     return model.eval()
 
 
