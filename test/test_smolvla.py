@@ -264,9 +264,11 @@ def test_an_imported_bundle_closes_the_loop_under_bringup(two_camera_bundle, tmp
 
 
 @pytest.mark.slow
-def test_bench_lerobot_runs_lerobot_and_ours_on_the_same_frames(two_camera_bundle, tmp_path):
+@pytest.mark.parametrize("sequential", [False, True], ids=["interleaved", "sequential"])
+def test_bench_lerobot_runs_lerobot_and_ours_on_the_same_frames(two_camera_bundle, tmp_path, sequential):
     """``vla-accel bench lerobot`` with LeRobot's side venv: both sides on a simulator bag's
-    frames; our fp32 baseline equals LeRobot's actions (1e-4 std), every mode reports a speedup."""
+    frames (interleaved, or ours first and then LeRobot); our fp32 baseline equals LeRobot's
+    actions (1e-4 std), every mode reports a speedup."""
     if not LEROBOT_PY.is_file():
         pytest.skip(f"LeRobot's side venv is missing ({LEROBOT_PY})")
     pytest.importorskip("gym_aloha", reason="requirements-sim.txt is not installed")
@@ -279,10 +281,10 @@ def test_bench_lerobot_runs_lerobot_and_ours_on_the_same_frames(two_camera_bundl
     report = tmp_path / "report"
     argv = ["bench", "lerobot", "--lerobot", str(fx / "policy"), "--vlm", str(fx / "vlm"), "--python", str(LEROBOT_PY),
             "--bag", str(bag), "--bundle", str(two_camera_bundle), "--max-frames", "3", "--threads", "1",
-            "--modes", "baseline,cache+prune", "--report", str(report)]  # fmt: skip
+            "--modes", "baseline,cache+prune", "--report", str(report)] + ["--sequential"] * sequential  # fmt: skip
     assert main(argv) == 0
     rep = json.loads((report / "report.json").read_text())
-    assert rep["frames"] == 3 and rep["lerobot"]["latency_ms"]["p50"] > 0
+    assert rep["frames"] == 3 and rep["lerobot"]["latency_ms"]["p50"] > 0 and rep["sequential"] == sequential
     assert rep["modes"]["baseline"]["deviation_vs_lerobot"]["max_over_std"] < 1e-4
     assert all(m["speedup_vs_lerobot"] > 0 and m["gate"]["passed"] for m in rep["modes"].values())
     assert (report / "report.md").read_text().count("| LeRobot |") == 1 and (report / "latency.png").is_file()

@@ -1,11 +1,14 @@
-"""``vla-accel bench lerobot``: LeRobot's own SmolVLA and ours, side by side on a bag's frames.
+"""``vla-accel bench lerobot``: LeRobot's own SmolVLA or pi0 and ours, side by side on a bag's frames.
 
 LeRobot runs in its own Python (``--python``: the environment that has LeRobot; it pins torch
 and transformers versions this package does not use) as :mod:`vla_accel_ros.bench.lerobot_worker`.
 Both get the same frames (the bag through the policy node's observation rule, frames at their
 recorded size), the same task text, the same noise per frame, the same torch thread count and
-the same weights (the checkpoint, imported here into a ``smolvla`` bundle). Calls are
-interleaved frame by frame, the first runner rotating. Each side's latency is its own wall time
+the same weights (the checkpoint, imported here into a bundle of the family its config.json
+``type`` names: ``smolvla`` or ``pi0``). Calls are
+interleaved frame by frame, the first runner rotating; with ``sequential`` (for models that do
+not fit in memory twice: a full-size pi0) ours run on every frame first and LeRobot, once our
+weights are freed, on the same frames after. Each side's latency is its own wall time
 of one chunk with every overhead of the library (LeRobot: its preprocessor,
 ``predict_action_chunk``, its postprocessor; ours: ``infer``), without the exchange between the
 two processes.
@@ -40,11 +43,12 @@ SCHEMA = "vla_accel_ros.bench_lerobot/1"
 
 @dataclass
 class LeRobotBenchConfig:
-    lerobot: Path  # LeRobot's saved SmolVLA policy directory
+    lerobot: Path  # LeRobot's saved SmolVLA or pi0 policy directory
     python: Path  # a Python whose environment has LeRobot
     bag: Path
     report: Path
-    vlm: Path | None = None
+    vlm: Path | None = None  # smolvla: the SmolVLM directory
+    tokenizer: Path | None = None  # pi0: PaliGemma's tokenizer directory (both sides load it)
     modes: tuple[str, ...] = ("baseline",)
     threads: int = 2
     max_frames: int = 10
@@ -52,6 +56,7 @@ class LeRobotBenchConfig:
     seed: int = 0
     bundle: Path | None = None  # an already imported bundle of the same checkpoint (default: import it)
     parity_check: bool = True
+    sequential: bool = False  # ours on every frame first, our weights freed, then LeRobot (when both do not fit in memory)
     cache_overrides: dict[str, Any] = field(default_factory=dict)
     prune_overrides: dict[str, Any] = field(default_factory=dict)
     precision_overrides: dict[str, Any] = field(default_factory=dict)
@@ -62,6 +67,14 @@ class LeRobotBenchConfig:
                 raise ConfigError(f"{flag} must be >= {lo}, got {value}")
         if not (self.lerobot / "config.json").is_file():
             raise ConfigError(f"--lerobot {self.lerobot}: no config.json (LeRobot's saved policy directory)")
+        kind = self.policy_type()
+        if kind not in ("smolvla", "pi0"):
+            raise ConfigError(f"--lerobot {self.lerobot}: LeRobot policy type {kind!r}; bench lerobot runs smolvla and pi0")
+        if kind == "pi0" and self.tokenizer is None and self.bundle is None:
+            raise ConfigError("--tokenizer is required for a pi0 checkpoint: the PaliGemma tokenizer directory "
+                              "(LeRobot's pi0 loads it by hub name, which is offline here)")  # fmt: skip
+        if self.tokenizer is not None and not self.tokenizer.is_dir():
+            raise ConfigError(f"--tokenizer {self.tokenizer}: not a directory")
         if not self.python.is_file():
             raise ConfigError(f"--python {self.python}: not a file (the Python of an environment with lerobot)")
         if not self.bag.exists():
@@ -69,6 +82,12 @@ class LeRobotBenchConfig:
         if self.report.exists() and any(self.report.iterdir()):
             raise ConfigError(f"--report {self.report} is not empty; reports are never overwritten")
         parse_modes(list(self.modes))
+
+    def policy_type(self) -> str | None:
+        try:
+            return json.loads((self.lerobot / "config.json").read_text()).get("type")
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--lerobot {self.lerobot}: unreadable config.json ({e})") from e
 
 
 class LeRobotWorker:
@@ -79,6 +98,8 @@ class LeRobotWorker:
         cmd = [str(cfg.python), str(WORKER), "--policy", str(cfg.lerobot), "--threads", str(cfg.threads), "--exchange", str(self.dir)]
         if cfg.vlm:
             cmd += ["--vlm", str(cfg.vlm)]
+        if cfg.tokenizer:
+            cmd += ["--tokenizer", str(cfg.tokenizer)]
         self.log = self.dir / "worker.log"  # its stderr: LeRobot's own prints, a traceback
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -136,13 +157,12 @@ def _deviation(a: list[np.ndarray], b: list[np.ndarray], std: np.ndarray) -> dic
 def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: str = "") -> dict[str, Any]:
     import torch
 
-    from vla_accel_ros.bench.progress import progress_bar
     from vla_accel_ros.bench.stats import action_std
     from vla_accel_ros.core.robot.config import SyncConfig
     from vla_accel_ros.io.bag_reader import BagReader
     from vla_accel_ros.models.factory import load_bundle
+    from vla_accel_ros.models.family import get_family
     from vla_accel_ros.models.lerobot_compat import SOURCE_FILE
-    from vla_accel_ros.models.smolvla.lerobot_import import import_lerobot
 
     cfg.validate()
     names = parse_modes(list(cfg.modes))
@@ -150,7 +170,7 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
     bundle_path = cfg.bundle or cfg.report / "bundle"
     t0 = time.perf_counter()
     if cfg.bundle is None:
-        import_lerobot(cfg.lerobot, bundle_path, vlm=cfg.vlm)
+        get_family(cfg.policy_type()).import_lerobot(cfg.lerobot, bundle_path, vlm=cfg.vlm, tokenizer=cfg.tokenizer)
     import_s = time.perf_counter() - t0
     cameras = json.loads((bundle_path / SOURCE_FILE).read_text())["cameras"]  # LeRobot feature -> our camera
     cameras = {k.removeprefix("observation.images."): v for k, v in cameras.items()}
@@ -167,7 +187,7 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
     if len(frames) <= cfg.warmup:
         raise BagError(f"bag {cfg.bag} yields {len(frames)} observation(s) for cameras {', '.join(spec.cameras)}; need > --warmup {cfg.warmup}")
     if any(f.state is None for f in frames):
-        raise BagError(f"bag {cfg.bag}: observations without a joint state; SmolVLA needs one")
+        raise BagError(f"bag {cfg.bag}: observations without a joint state; {spec.family} needs one")
     rcfg = ReplayConfig(
         bag=cfg.bag, bundle=bundle_path, modes=tuple(names), parity_check=cfg.parity_check, num_threads=cfg.threads,
         seed=cfg.seed, cache_overrides=cfg.cache_overrides, prune_overrides=cfg.prune_overrides,
@@ -180,36 +200,25 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
     gates = {r.name: _gate(r.policy) for r in runs}
     for r in runs:
         r.reset()
-    worker = LeRobotWorker(cfg)
     lerobot = {"latency": [], "stages": [], "actions": []}
     shape = runs[0].policy.noise_shape
-    try:
-        bar = progress_bar(len(frames), "bench lerobot", "frame", enabled=progress)
-        with bar:
-            for i, obs in enumerate(frames):
-                noise = frame_noise(cfg.seed, i, shape)
-                timed = i >= cfg.warmup
-                order = ["lerobot", *[r.name for r in runs]]
-                k = i % len(order)
-                for name in order[k:] + order[:k]:  # rotate who runs first
-                    if name == "lerobot":
-                        actions, ms, stages = worker.run(obs, cameras, noise)
-                        if timed:
-                            lerobot["latency"].append(ms)
-                            lerobot["stages"].append(stages)
-                            lerobot["actions"].append(actions)
-                        continue
-                    r = next(x for x in runs if x.name == name)
-                    chunk = r.step(obs, noise)[0]
-                    if timed:
-                        r.record(chunk, spec, obs.instruction)
-                bar.update(1)
-                if timed and progress:
-                    bar.set_postfix_str(f"lerobot {statistics.median(lerobot['latency']):.0f}ms "
-                                        + " ".join(f"{r.name} {statistics.median(r.latency):.0f}ms" for r in runs))  # fmt: skip
-    finally:
-        worker.close()
     std = action_std(spec)
+    params_m = round(sum(p.numel() for p in runs[0].policy.model.parameters()) / 1e6, 1)
+    worker = None if cfg.sequential else LeRobotWorker(cfg)
+    try:
+        _interleave(frames, cfg, runs, worker, cameras, shape, spec, lerobot, progress, "bench lerobot")
+        if cfg.sequential:
+            for r in runs:  # keep what was measured, free the weights before LeRobot loads its own
+                r.policy = r.pipeline = None
+            del bundle, r
+            import gc
+
+            gc.collect()
+            worker = LeRobotWorker(cfg)
+            _interleave(frames, cfg, [], worker, cameras, shape, spec, lerobot, progress, "bench lerobot (LeRobot)")
+    finally:
+        if worker is not None:
+            worker.close()
     le_p50 = distribution(lerobot["latency"])["p50"]
     base = next(r for r in runs if r.name == BASELINE)
     modes = {}
@@ -228,15 +237,45 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
         }
     result = {
         "schema": SCHEMA, "command": command, "frames": len(lerobot["latency"]), "warmup": cfg.warmup, "threads": cfg.threads,
-        "bag": str(cfg.bag), "lerobot_policy": str(cfg.lerobot), "bundle": str(bundle_path),
-        "cameras": list(spec.cameras), "parameters_m": round(sum(p.numel() for p in base.policy.model.parameters()) / 1e6, 1),
+        "bag": str(cfg.bag), "lerobot_policy": str(cfg.lerobot), "bundle": str(bundle_path), "family": spec.family,
+        "cameras": list(spec.cameras), "parameters_m": params_m, "sequential": cfg.sequential,
         "lerobot": {"latency_ms": distribution(lerobot["latency"]), "stages_p50_ms": _stage_p50(lerobot["stages"]),
-                    **{k: worker.info.get(k) for k in ("versions", "load_s", "parameters", "threads")}},
+                    **{k: worker.info.get(k) for k in ("versions", "load_s", "parameters", "threads", "calls")}},
         "modes": modes, "mode_order": names, "import_s": round(import_s, 1), "build_s": round(build_s, 1),
         "machine": machine_info(),
     }  # fmt: skip
     _write(cfg.report, result)
     return result
+
+
+def _interleave(frames, cfg: LeRobotBenchConfig, runs, worker, cameras, shape, spec, lerobot, progress: bool, label: str) -> None:
+    """Every frame through LeRobot (``worker``, unless None) and each of ``runs``, the same
+    noise per frame on every side, the first runner rotating from frame to frame."""
+    from vla_accel_ros.bench.progress import progress_bar
+
+    bar = progress_bar(len(frames), label, "frame", enabled=progress)
+    with bar:
+        for i, obs in enumerate(frames):
+            noise = frame_noise(cfg.seed, i, shape)
+            timed = i >= cfg.warmup
+            order = (["lerobot"] if worker is not None else []) + [r.name for r in runs]
+            k = i % len(order)
+            for name in order[k:] + order[:k]:
+                if name == "lerobot":
+                    actions, ms, stages = worker.run(obs, cameras, noise)
+                    if timed:
+                        lerobot["latency"].append(ms)
+                        lerobot["stages"].append(stages)
+                        lerobot["actions"].append(actions)
+                    continue
+                r = next(x for x in runs if x.name == name)
+                chunk = r.step(obs, noise)[0]
+                if timed:
+                    r.record(chunk, spec, obs.instruction)
+            bar.update(1)
+            if timed and progress:
+                bar.set_postfix_str(" ".join(([f"lerobot {statistics.median(lerobot['latency']):.0f}ms"] if lerobot["latency"] else [])
+                                             + [f"{r.name} {statistics.median(r.latency):.0f}ms" for r in runs]))  # fmt: skip
 
 
 def _gate(policy) -> dict[str, Any]:
@@ -263,12 +302,13 @@ def _write(out: Path, result: dict[str, Any]) -> None:
 def markdown(result: dict[str, Any], plot: str | None) -> str:
     le = result["lerobot"]
     lines = [
-        f"# SmolVLA: LeRobot {le['versions']['lerobot']} vs vla_accel_ros, same frames, {result['threads']} thread(s)",
+        f"# {result['family']}: LeRobot {le['versions']['lerobot']} vs vla_accel_ros, same frames, {result['threads']} thread(s)",
         "",
         f"{result['frames']} timed frames of `{result['bag']}` (after {result['warmup']} warm-up), cameras "
         f"{', '.join(result['cameras'])}, {result['parameters_m']} M parameters, the same noise per frame on both sides, "
-        "calls interleaved. Latency: each side's own wall time of one chunk, every library overhead included "
-        "(LeRobot: preprocessor, predict_action_chunk, postprocessor).",
+        + ("ours on every frame first, then LeRobot (--sequential). " if result.get("sequential") else "calls interleaved. ")
+        + "Latency: each side's own wall time of one chunk, every library overhead included "
+        + f"(LeRobot: {le.get('calls', 'preprocessor, predict_action_chunk, postprocessor')}).",
         "",
         "| runner | p50 ms | p95 ms | speedup vs LeRobot | max dev vs LeRobot (std) | max dev vs our fp32 (std) | gate | stages p50 ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -309,7 +349,7 @@ def _plot(out: Path, result: dict[str, Any]) -> str | None:
     ax.set_yticks(y, names)
     ax.invert_yaxis()
     ax.set_xlabel("ms per chunk (lower is better)")
-    ax.set_title(f"SmolVLA chunk latency, {result['threads']} thread(s)")
+    ax.set_title(f"{result['family']} chunk latency, {result['threads']} thread(s)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "latency.png", dpi=110)

@@ -30,14 +30,16 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     e.add_argument("--json", type=Path, help="also write the rows as JSON here")
     e.set_defaults(func=_engine)
     lr = command(
-        bsub, "lerobot", "LeRobot's own SmolVLA vs ours on a bag's frames (same weights, noise, threads; interleaved)",
+        bsub, "lerobot", "LeRobot's own SmolVLA or pi0 vs ours on a bag's frames (same weights, noise, threads; interleaved)",
         "vla-accel bench lerobot --lerobot /tmp/smolvla-full/policy --python /tmp/lerobot-venv/bin/python "
         "--bag artifacts/bags/cube3 --threads 2 --modes baseline,cache+prune@auto --report artifacts/reports/lerobot",
         details="Runs LeRobot's policy in the Python given by --python (an environment with lerobot, e.g. "
         "../shared/tools/lerobot-reference/install_lerobot_venv.sh) and this package's modes on the same frames.",
     )  # fmt: skip
-    lr.add_argument("--lerobot", type=Path, required=True, metavar="DIR", help="LeRobot's saved SmolVLA policy directory")
+    lr.add_argument("--lerobot", type=Path, required=True, metavar="DIR", help="LeRobot's saved SmolVLA or pi0 policy directory")
     lr.add_argument("--vlm", type=Path, default=None, metavar="DIR", help="the SmolVLM directory (default: as the checkpoint names it)")
+    lr.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                    help="pi0: PaliGemma's tokenizer directory (LeRobot's pi0 loads it by hub name)")
     lr.add_argument("--python", type=Path, required=True, metavar="PY", help="a Python whose environment has lerobot")
     lr.add_argument("--bag", type=Path, required=True, help="rosbag2 bag with the bundle's cameras and joint states")
     lr.add_argument("--modes", default="baseline", help="our modes, as for replay (default %(default)s)")
@@ -46,6 +48,9 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     lr.add_argument("--warmup", type=int, default=1, help="untimed frames first (default %(default)s)")
     lr.add_argument("--bundle", type=Path, default=None, help="the checkpoint already imported (default: import it into REPORT/bundle)")
     lr.add_argument("--no-parity", action="store_true", help="skip the start-up gate of each mode")
+    lr.add_argument("--sequential", action="store_true",
+                    help="ours on every frame first, then (our weights freed) LeRobot: when both models do not fit in memory "
+                    "together; the calls are then not interleaved")  # fmt: skip
     lr.add_argument("--cache", action="append", default=[], metavar="FIELD=VALUE", help="CacheConfig override (repeatable)")
     lr.add_argument("--prune", action="append", default=[], metavar="FIELD=VALUE", help="PruneConfig override (repeatable)")
     lr.add_argument("--precision", action="append", default=[], metavar="FIELD=VALUE", help="PrecisionConfig override (repeatable)")
@@ -144,9 +149,9 @@ def _lerobot(args: argparse.Namespace) -> int:
     from vla_accel_ros.cli.cache_bench_cmd import parse_overrides
 
     cfg = LeRobotBenchConfig(
-        lerobot=args.lerobot, python=args.python, bag=args.bag, report=args.report, vlm=args.vlm,
+        lerobot=args.lerobot, python=args.python, bag=args.bag, report=args.report, vlm=args.vlm, tokenizer=args.tokenizer,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), threads=args.threads,
-        max_frames=args.max_frames, warmup=args.warmup, bundle=args.bundle, parity_check=not args.no_parity,
+        max_frames=args.max_frames, warmup=args.warmup, bundle=args.bundle, parity_check=not args.no_parity, sequential=args.sequential,
         cache_overrides=parse_overrides(args.cache), prune_overrides=parse_overrides(args.prune, "--prune"),
         precision_overrides=parse_overrides(args.precision, "--precision"),
     )  # fmt: skip
