@@ -21,6 +21,7 @@ verdict; report.md: the table and a plot.
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import statistics
@@ -210,9 +211,7 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
         if cfg.sequential:
             for r in runs:  # keep what was measured, free the weights before LeRobot loads its own
                 r.policy = r.pipeline = None
-            del bundle, r
-            import gc
-
+            del bundle
             gc.collect()
             worker = LeRobotWorker(cfg)
             _interleave(frames, cfg, [], worker, cameras, shape, spec, lerobot, progress, "bench lerobot (LeRobot)")

@@ -173,7 +173,9 @@ def _smolvla(args, clock: _StageClock, marks: dict[str, float]):
     return policy, run, "preprocessor, predict_action_chunk, postprocessor"
 
 
-PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"  # the name LeRobot 0.3.3's PI0Policy loads
+# The name LeRobot 0.3.3's PI0Policy loads (models/pi0/lerobot_import.TOKENIZER_ID; this worker
+# imports nothing of the package).
+PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"
 
 
 def _offline_hub_cache(repo_id: str, tokenizer_dir: Path) -> None:

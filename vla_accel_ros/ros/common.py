@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import inspect
 import json
 import math
 import os
@@ -181,10 +180,7 @@ def drain_executor(executor: MultiThreadedExecutor, timeout_s: float | None = No
             for t in threads:
                 t.join(max(0.0, deadline - time.monotonic()))
             running = [_where(t) for t in threads if t.is_alive()]
-    if running and "wait_for_threads" in inspect.signature(executor.shutdown).parameters:
-        executor.shutdown(timeout_sec=0.0, wait_for_threads=False)  # rclpy with ros2/rclpy#1309 would join them
-    else:
-        executor.shutdown(timeout_sec=0.0 if running else (5.0 if timeout_s is None else timeout_s))
+    executor.shutdown(timeout_sec=0.0 if running else (5.0 if timeout_s is None else timeout_s))
     return running
 
 
