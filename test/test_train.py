@@ -100,6 +100,21 @@ def test_loss_decreases(family, episodes, tmp_path):
     assert np.mean(losses[-3:]) < 0.85 * np.mean(losses[:3]), losses
 
 
+def test_background_batches_train_the_same_weights_as_the_loop(episodes, tmp_path):
+    """Batches assembled ahead on threads (and a run stopped mid-epoch, which leaves some
+    unused) give the numbers of the plain loop: each batch draws from its own step's generator."""
+    cfg = TrainConfig(family="flow", size="tiny", chunk_size=4, epochs=2, batch_size=4, val_episodes=1, shift=4,
+                      threads=1, checkpoint_every=0)  # fmt: skip
+    weights = {}
+    for threads in (0, 2):
+        trainer = Trainer(cfg.replace(loader_threads=threads), episodes, tmp_path / f"t{threads}")
+        trainer.run(progress=False)
+        weights[threads] = trainer.model.state_dict()
+    assert all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
+    stopped = Trainer(cfg.replace(loader_threads=2, max_steps=1), episodes, tmp_path / "stopped")
+    assert stopped.run(progress=False).steps == 1
+
+
 def test_train_cli_bundle_loads_passes_parity_and_resumes_exactly(demo_bag, tmp_path, capsys):
     from safetensors.torch import load_file
 

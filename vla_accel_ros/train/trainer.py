@@ -18,8 +18,11 @@ import math
 import shutil
 import sys
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -28,12 +31,12 @@ from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import BundleError, ConfigError
 from vla_accel_ros.models.family import family_names, get_family
 from vla_accel_ros.models.common import siglip_pixels
-from vla_accel_ros.train.data import ChunkDataset, DataStats, Episode, compute_stats, split_episodes
+from vla_accel_ros.train.data import Batch, ChunkDataset, DataStats, Episode, compute_stats, split_episodes
 
 CHECKPOINT_DIR = "checkpoint"
 LOG_FILE = "train_log.jsonl"
 # Settings a resumed run may change (how long and where it runs, not what it learns).
-RUN_SETTINGS = ("epochs", "threads", "device", "checkpoint_every", "max_steps", "max_minutes")
+RUN_SETTINGS = ("epochs", "threads", "loader_threads", "device", "checkpoint_every", "max_steps", "max_minutes")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,10 @@ class TrainConfig(Config):
     bf16: bool = param(True, doc="bfloat16 autocast for the forward pass (weights and optimizer stay fp32)")
     seed: int = param(0, doc="weights, sample order, noise and augmentation", range=(0, 2**31 - 1))
     threads: int = param(0, doc="torch CPU threads (0: all cores)", range=(0, 1024))
+    loader_threads: int = param(
+        1, doc="background threads that assemble the next batches while the model trains (0: in the training loop)",
+        range=(0, 64),
+    )  # fmt: skip
     device: str = param("cpu", doc="torch device, e.g. cpu or cuda")
     checkpoint_every: int = param(500, doc="also checkpoint every N steps (0: only at epoch ends)", range=(0, 10_000_000))
     lm_type: str = param("llama", doc="decoder family of the language model", choices=("llama", "qwen2"))
@@ -172,7 +179,7 @@ class Trainer:
         other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95),
+            lr=cfg.lr, betas=(0.9, 0.95), fused=self.device.type == "cuda",  # one kernel per step on a GPU
         )  # fmt: skip
         self.steps_per_epoch = max(1, len(self.train_set) // cfg.batch_size)
         self.total_steps = self.steps_per_epoch * cfg.epochs
@@ -292,17 +299,14 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         first_epoch = self.step // self.steps_per_epoch
+        self.out.mkdir(parents=True, exist_ok=True)
         log = open(self.out / LOG_FILE, "a")
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", file=sys.stderr,
                    disable=not progress, dynamic_ncols=True, mininterval=2.0)  # fmt: skip
         try:
             for epoch in range(first_epoch, cfg.epochs):
-                order = self.train_set.epoch_order(cfg.seed, epoch)
                 losses: list[float] = []
-                for k in range(self.step - epoch * self.steps_per_epoch, self.steps_per_epoch):
-                    rows = order[k * cfg.batch_size : (k + 1) * cfg.batch_size]
-                    gen = _step_generator(cfg.seed, self.step)
-                    batch = self.train_set.batch(rows, shift=cfg.shift, generator=gen)
+                for gen, batch in self._epoch_batches(epoch, self.step - epoch * self.steps_per_epoch):
                     metrics = self.train_step(batch, gen, lr_at(cfg, self.step, self.total_steps))
                     losses.append(metrics["loss"])
                     bar.update(1)
@@ -328,6 +332,34 @@ class Trainer:
             bar.close()
             log.close()
         return self._result(t0)
+
+    def _epoch_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Generator, Batch]]:
+        """The batches of ``epoch`` from its step ``start`` on, each with its step's generator (the
+        batch's shift draws from it first, the step's noise next), so the order and the numbers
+        do not depend on ``loader_threads``. Background threads assemble the next batches while
+        the model trains on this one: on a GPU run, unpacking and shifting the frames on the CPU
+        was most of a step."""
+        cfg = self.cfg
+        order = self.train_set.epoch_order(cfg.seed, epoch)
+
+        def make(k: int) -> tuple[torch.Generator, Batch]:
+            gen = _step_generator(cfg.seed, epoch * self.steps_per_epoch + k)
+            rows = order[k * cfg.batch_size : (k + 1) * cfg.batch_size]
+            return gen, self.train_set.batch(rows, shift=cfg.shift, generator=gen)
+
+        steps = range(start, self.steps_per_epoch)
+        if not cfg.loader_threads:
+            yield from map(make, steps)
+            return
+        ahead = 2 * cfg.loader_threads
+        with ThreadPoolExecutor(cfg.loader_threads, thread_name_prefix="batches") as pool:
+            pending = deque(pool.submit(make, k) for k in steps[:ahead])
+            for k in steps[ahead:]:
+                done = pending.popleft().result()
+                pending.append(pool.submit(make, k))
+                yield done
+            while pending:
+                yield pending.popleft().result()
 
     def _limit_reached(self, t0: float) -> str:
         """Why this run stops here ('' : it goes on): --max-steps or --max-minutes."""
