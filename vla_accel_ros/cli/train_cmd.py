@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: all cores)")
     p.add_argument("--loader-threads", type=int, default=d.loader_threads,
-                   help="background threads assembling the next batches (0: in the training loop)")
+                   help="background threads assembling the next batches (0: in the training loop; -1: 2 on a GPU, 0 on the CPU)")
     p.add_argument("--device", default=d.device, help="cpu or cuda")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
     p.add_argument("--save-dtype", choices=("float16", "float32"), default=d.save_dtype)

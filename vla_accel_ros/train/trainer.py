@@ -64,8 +64,9 @@ class TrainConfig(Config):
     seed: int = param(0, doc="weights, sample order, noise and augmentation", range=(0, 2**31 - 1))
     threads: int = param(0, doc="torch CPU threads (0: all cores)", range=(0, 1024))
     loader_threads: int = param(
-        1, doc="background threads that assemble the next batches while the model trains (0: in the training loop)",
-        range=(0, 64),
+        -1, doc="background threads that assemble the next batches while the model trains (0: in the training loop; "
+        "-1: 2 on a GPU, 0 on the CPU, where a batch is a few ms of a ~1 s step and a thread only competes)",
+        range=(-1, 64),
     )  # fmt: skip
     device: str = param("cpu", doc="torch device, e.g. cpu or cuda")
     checkpoint_every: int = param(500, doc="also checkpoint every N steps (0: only at epoch ends)", range=(0, 10_000_000))
@@ -348,11 +349,12 @@ class Trainer:
             return gen, self.train_set.batch(rows, shift=cfg.shift, generator=gen)
 
         steps = range(start, self.steps_per_epoch)
-        if not cfg.loader_threads:
+        threads = cfg.loader_threads if cfg.loader_threads >= 0 else (0 if self.device.type == "cpu" else 2)
+        if not threads:
             yield from map(make, steps)
             return
-        ahead = 2 * cfg.loader_threads
-        with ThreadPoolExecutor(cfg.loader_threads, thread_name_prefix="batches") as pool:
+        ahead = 2 * threads
+        with ThreadPoolExecutor(threads, thread_name_prefix="batches") as pool:
             pending = deque(pool.submit(make, k) for k in steps[:ahead])
             for k in steps[ahead:]:
                 done = pending.popleft().result()
