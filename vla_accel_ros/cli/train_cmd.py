@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: all cores)")
     p.add_argument("--loader-threads", type=int, default=d.loader_threads,
-                   help="background threads assembling the next batches (0: in the training loop; -1: 2 on a GPU, 0 on the CPU)")
+                   help="background threads assembling the next batches (0: in the loop; -1: 2 on a GPU, 0 on the CPU)")
     p.add_argument("--device", default=d.device, help="cpu or cuda")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
     p.add_argument("--save-dtype", choices=("float16", "float32"), default=d.save_dtype)
@@ -79,8 +79,8 @@ def _train(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size, epochs=args.epochs, batch_size=args.batch, lr=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
         val_episodes=args.val_episodes, shift=args.shift, bf16=not args.fp32, seed=args.seed, threads=args.threads,
-        loader_threads=args.loader_threads, device=args.device, checkpoint_every=args.checkpoint_every, save_dtype=args.save_dtype, name=args.name,
-        reasoning=args.reasoning, init_from=args.init_from,
+        loader_threads=args.loader_threads, device=args.device, checkpoint_every=args.checkpoint_every,
+        save_dtype=args.save_dtype, name=args.name, reasoning=args.reasoning, init_from=args.init_from,
     )  # fmt: skip
     if args.train_episodes < 0:
         raise ConfigError(f"--train-episodes must be >= 0, got {args.train_episodes}")
