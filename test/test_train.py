@@ -100,6 +100,19 @@ def test_loss_decreases(family, episodes, tmp_path):
     assert np.mean(losses[-3:]) < 0.85 * np.mean(losses[:3]), losses
 
 
+def test_a_policy_without_state_input_trains_and_loads(episodes, tmp_path):
+    from vla_accel_ros.models.factory import load_policy
+
+    cfg = TrainConfig(family="flow", size="tiny", chunk_size=4, epochs=1, batch_size=4, val_episodes=1, state=False,
+                      threads=1, save_dtype="float32")  # fmt: skip
+    trainer = Trainer(cfg, episodes, tmp_path)
+    assert trainer.spec.state_dim == 0 and trainer.model.state_proj is None
+    trainer.run(progress=False)
+    trainer.save_bundle()
+    policy = load_policy(tmp_path)  # the parity gate runs on the stateless layout
+    assert policy.spec.state_dim == 0 and policy.parity_report.passed
+
+
 def test_background_batches_train_the_same_weights_as_the_loop(episodes, tmp_path):
     """Batches assembled ahead on threads (and a run stopped mid-epoch, which leaves some
     unused) give the numbers of the plain loop: each batch draws from its own step's generator."""

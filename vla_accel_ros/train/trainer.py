@@ -50,6 +50,10 @@ class TrainConfig(Config):
         range=(0, 2048),
     )  # fmt: skip
     chunk_size: int = param(0, doc="actions per inference (0: the family's default: ar 10, flow 50)", range=(0, 1024))
+    state: bool = param(
+        True, doc="feed the joint state to the model (false: images and instruction only; a policy that imitates a "
+        "scripted expert can predict the next actions from the state alone and never learn to look at the scene)",
+    )  # fmt: skip
     epochs: int = param(20, doc="passes over the training frames", range=(1, 100_000))
     batch_size: int = param(16, doc="samples per optimizer step", range=(1, 4096))
     lr: float = param(3e-4, doc="peak AdamW learning rate", range=(1e-7, 1.0))
@@ -151,7 +155,7 @@ class Trainer:
         self.val_set = ChunkDataset(val_eps, chunk, cfg.frame_stride, reasoning=template) if val_eps else None
         self.stats: DataStats = compute_stats(train_eps)
         instruction = self.train_set.instruction
-        state_dim = int(train_eps[0].states.shape[1])
+        state_dim = int(train_eps[0].states.shape[1]) if cfg.state else 0
         name = cfg.name or f"{task or 'policy'}-{cfg.family}"
         self.spec = demo_spec(
             cfg.family, cfg.size, cameras=cfg.cameras, action_dim=int(train_eps[0].actions.shape[1]),
