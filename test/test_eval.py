@@ -186,6 +186,34 @@ def test_open_loop_error_does_not_inherit_the_closed_loops_motion_mode(tiny_bund
     assert errors["coarse"] == errors["fine"]
 
 
+def test_first_chunk_spread_is_zero_for_a_policy_blind_to_its_images(tiny_bundles):
+    """The first frames of two seeds differ only where the cube lies; a policy whose vision
+    tower sees nothing must have no spread (each demonstration's own noise must not count)."""
+    import numpy as np
+    import torch
+
+    from vla_accel_ros.bench import eval as ev
+    from vla_accel_ros.bench.replay import build_runs
+    from vla_accel_ros.core.bundle import load_bundle
+    from vla_accel_ros.core.robot.safety import default_limits
+
+    cfg = ev.EvalConfig(bundle=tiny_bundles["flow"], episodes=2, steps=8, modes=("baseline",), parity_check=False,
+                        num_threads=1, open_loop_episodes=2, open_loop_stride=4, height=120, width=160)  # fmt: skip
+    graph = ev.GraphConfigs.load(None)
+    bundle = load_bundle(cfg.bundle)
+    robot = ev.SimRobot(cfg.task, tuple(bundle.spec.cameras), graph.robot, graph.sync(bundle.spec.image_size), cfg.height, cfg.width)
+    policy = build_runs(bundle, ["baseline"], cfg)[0].policy
+    demos = ev.record_demos(robot, cfg.task, [cfg.seed, cfg.seed + 1], cfg.steps, cfg.open_loop_stride)
+    lo, hi = (np.asarray(x) for x in default_limits(graph.robot))
+    seeing = ev.open_loop_error(policy, demos, lo, hi)["first_chunk"]
+    assert seeing["demos"] == 2 and seeing["expert_spread"] > 0 and seeing["policy_spread"] > 0
+    with torch.no_grad():
+        for p in policy.model.vis.parameters():
+            p.zero_()
+    blind = ev.open_loop_error(policy, demos, lo, hi)["first_chunk"]
+    assert blind["policy_spread"] == 0.0 and blind["expert_spread"] == seeing["expert_spread"]
+
+
 def test_measured_latency_lands_a_chunk_its_latency_after_its_frame():
     from vla_accel_ros.bench.eval import landing_ns
 

@@ -466,7 +466,7 @@ def record_demos(robot: SimRobot, task: str, seeds: list[int], steps: int, strid
 def open_loop_error(policy, demos: list[Demo], lower: np.ndarray, upper: np.ndarray) -> dict[str, Any]:
     """Mean |chunk - expert| over the valid part of every chunk: in the action's units (rad for
     arm joints, normalized for grippers) and as a fraction of each joint's range."""
-    errs = []
+    errs, firsts = [], []  # firsts: (policy, expert) chunk at each demonstration's first frame
     for demo in demos:
         policy.reset()
         # No controller runs here: the closed loop's last motion mode must not choose how much
@@ -478,6 +478,13 @@ def open_loop_error(policy, demos: list[Demo], lower: np.ndarray, upper: np.ndar
             chunk = policy.infer(obs, noise=noise.astype(np.float32))
             n = min(chunk.horizon, demo.actions.shape[0] - step)
             errs.append(np.abs(chunk.actions[:n] - demo.actions[step : step + n]))  # [n, D]
+        if demo.frames and demo.frames[0][0] == 0:
+            # The first frame again, with one noise for every demonstration: only the image differs.
+            policy.reset()
+            shape = policy.noise_shape or (policy.spec.chunk_size, policy.spec.action_dim)
+            same = policy.infer(demo.frames[0][1], noise=np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+            n = min(same.horizon, demo.actions.shape[0])
+            firsts.append((same.actions[:n], demo.actions[:n]))
     if not errs:
         return {}
     e = np.concatenate(errs)  # [N, D]
@@ -489,7 +496,26 @@ def open_loop_error(policy, demos: list[Demo], lower: np.ndarray, upper: np.ndar
         "first_action_mean_abs": float(np.mean([x[0].mean() for x in errs])),
         "per_joint_mean_abs": [round(float(x), 5) for x in per_joint],
         "chunks": len(errs),
+        "first_chunk": _first_chunk_spread(firsts),
         "note": "grippers in normalized units (0 closed, 1 open); arm joints in rad",
+    }
+
+
+def _first_chunk_spread(firsts: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+    """Does the policy look at the scene? At an episode's first frame the arm is at its home pose
+    on every seed, so only the image says where the object is: the spread of the policy's first
+    chunks across demonstrations (mean |chunk - their mean|) next to the expert's. A policy that
+    predicts the expert from the joint state alone (the scripted expert's shortcut) has ~0 here."""
+    n = min((len(p) for p, _ in firsts), default=0)
+    if len(firsts) < 2 or n == 0:
+        return {}
+    pol = np.stack([p[:n] for p, _ in firsts])
+    exp = np.stack([e[:n] for _, e in firsts])
+    return {
+        "policy_spread": float(np.abs(pol - pol.mean(0)).mean()),
+        "expert_spread": float(np.abs(exp - exp.mean(0)).mean()),
+        "mean_abs": float(np.abs(pol - exp).mean()),
+        "demos": len(firsts),
     }
 
 
