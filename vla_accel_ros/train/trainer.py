@@ -51,8 +51,8 @@ class TrainConfig(Config):
     )  # fmt: skip
     chunk_size: int = param(0, doc="actions per inference (0: the family's default: ar 10, flow 50)", range=(0, 1024))
     state: bool = param(
-        True, doc="feed the joint state to the model (false: images and instruction only; a policy that imitates a "
-        "scripted expert can predict the next actions from the state alone and never learn to look at the scene)",
+        True, doc="feed the joint state to the model (false: images and instruction only; imitating a scripted "
+        "expert, a policy can predict much of the next actions from where the arm is, without looking at the scene)",
     )  # fmt: skip
     epochs: int = param(20, doc="passes over the training frames", range=(1, 100_000))
     batch_size: int = param(16, doc="samples per optimizer step", range=(1, 4096))
