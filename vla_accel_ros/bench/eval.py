@@ -467,13 +467,13 @@ def open_loop_error(policy, demos: list[Demo], lower: np.ndarray, upper: np.ndar
     """Mean |chunk - expert| over the valid part of every chunk: in the action's units (rad for
     arm joints, normalized for grippers) and as a fraction of each joint's range."""
     errs, firsts = [], []  # firsts: (policy, expert) chunk at each demonstration's first frame
+    shape = policy.noise_shape or (policy.spec.chunk_size, policy.spec.action_dim)  # token decoding ignores it
     for demo in demos:
         policy.reset()
         # No controller runs here: the closed loop's last motion mode must not choose how much
         # a pruning mode keeps along the expert's demonstration.
         policy.set_motion_mode("coarse")
         for step, obs in demo.frames:
-            shape = policy.noise_shape or (policy.spec.chunk_size, policy.spec.action_dim)  # token decoding ignores it
             noise = np.random.default_rng((demo.seed, step)).standard_normal(shape)
             chunk = policy.infer(obs, noise=noise.astype(np.float32))
             n = min(chunk.horizon, demo.actions.shape[0] - step)
@@ -481,7 +481,6 @@ def open_loop_error(policy, demos: list[Demo], lower: np.ndarray, upper: np.ndar
         if demo.frames and demo.frames[0][0] == 0:
             # The first frame again, with one noise for every demonstration: only the image differs.
             policy.reset()
-            shape = policy.noise_shape or (policy.spec.chunk_size, policy.spec.action_dim)
             same = policy.infer(demo.frames[0][1], noise=np.random.default_rng(0).standard_normal(shape).astype(np.float32))
             n = min(same.horizon, demo.actions.shape[0])
             firsts.append((same.actions[:n], demo.actions[:n]))
