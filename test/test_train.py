@@ -160,18 +160,20 @@ def test_train_cli_bundle_loads_passes_parity_and_resumes_exactly(demo_bag, tmp_
 
 
 def test_train_cli_image_grid_and_time_budget(demo_bag, tmp_path, capsys):
-    """--image-size / --patch-size set the token grid (a bundle every path loads, parity gate
-    passed); --max-minutes and --max-steps stop at a checkpoint that --resume continues."""
+    """--image-size / --patch-size set the token grid and --conv-stem adds a stem to the tower (a
+    bundle every path loads, parity gate passed); --max-minutes and --max-steps stop at a
+    checkpoint that --resume continues."""
     from vla_accel_ros.models.factory import load_policy
 
     out = tmp_path / "grid"
     common = ["train", "--family", "flow", "--size", "tiny", "--data", str(demo_bag), "--batch", "4",
               "--val-episodes", "1", "--chunk-size", "4", "--threads", "1", "--no-progress", "--out", str(out),
-              "--image-size", "112", "--patch-size", "28", "--epochs", "2"]  # fmt: skip
+              "--image-size", "112", "--patch-size", "28", "--conv-stem", "4,4", "--epochs", "2"]  # fmt: skip
     assert main(common + ["--max-minutes", "1e-6"]) == 0
     assert "stopped after 1e-06 min at step 1 of 6" in capsys.readouterr().err
     policy = load_policy(out)
     assert policy.spec.grid == 4 and policy.spec.image_size == 112 and policy.parity_report.passed
+    assert policy.spec.vision["conv_stem"] == [4, 4] and policy.model.vis.vision.config.patch_size == 7
     assert main(common + ["--resume", "--max-steps", "3"]) == 0
     err = capsys.readouterr().err
     assert "resumed at step 1 of 6" in err and "stopped at --max-steps 3 at step 3 of 6" in err

@@ -71,3 +71,47 @@ def test_reuse_vision_runs_the_changed_patches(family, tiny_policies):
     report = run_parity(policy)
     assert report.passed, report.table()
     assert report.metrics["accel_tokens_reused"] > 0
+
+
+def _stem_spec(stem, patch: int = 14):
+    from vla_accel_ros.models.factory import demo_spec
+
+    spec = demo_spec("flow", "tiny")
+    return spec.replace(patch_size=patch, vision={**spec.vision, "patch_size": patch, "conv_stem": stem})
+
+
+def test_a_conv_stem_bundle_loads_and_keeps_each_token_to_its_own_patch(tmp_path):
+    """A tower with a convolutional stem (vision.conv_stem) saves and loads like any bundle
+    (parity gate passed), and a token's embedding still depends on its own patch only, which the
+    token cache's per-patch freshness assumes: changing one patch's pixels moves one token."""
+    from vla_accel_ros.core.bundle import save_bundle
+    from vla_accel_ros.models.factory import build_model, load_policy
+
+    spec = _stem_spec([4])
+    torch.manual_seed(0)
+    path = save_bundle(tmp_path / "stem", spec, build_model(spec).state_dict())
+    policy = load_policy(path)
+    assert policy.parity_report.passed
+    vis = policy.model.vis
+    assert vis.stem[0].weight.shape == (4, 3, 2, 2) and vis.vision.config.num_channels == 4
+    a = torch.randn(1, 3, 224, 224)
+    b = a.clone()
+    b[0, :, 3 * 14 : 4 * 14, 5 * 14 : 6 * 14] += 1.0  # the patch of token 3 * 16 + 5
+    with torch.inference_mode():
+        moved = (vis.patch_embeddings(a) - vis.patch_embeddings(b)).abs().amax(-1)[0]
+        assert torch.nonzero(moved).flatten().tolist() == [3 * 16 + 5]
+        cache = VisionCache(vis, cameras=1)
+        assert torch.equal(cache.embed(a, [0], None), vis(a))
+
+
+@pytest.mark.parametrize(
+    "stem, patch, match",
+    [([4, 4], 14, "shrinks the image 4x, which must divide patch_size=14"), ([0], 14, "integers in"),
+     (["8"], 14, "integers in"), ([2] * 5, 32, "1 to 4 channel counts")],
+)  # fmt: skip
+def test_a_conv_stem_that_does_not_fit_the_patch_is_refused(stem, patch, match):
+    from vla_accel_ros.core.errors import ConfigError
+    from vla_accel_ros.models.family import get_family
+
+    with pytest.raises(ConfigError, match=match):
+        get_family("flow").validate_spec(_stem_spec(stem, patch))

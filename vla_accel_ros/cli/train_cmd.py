@@ -34,6 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--patch-size", type=int, default=d.patch_size,
         help="pixels per image-token side (0: the preset's, 14); e.g. 28 at 224 px: 8 x 8 tokens per camera",
     )  # fmt: skip
+    p.add_argument(
+        "--conv-stem", default="", metavar="C1,C2",
+        help="channels of a convolutional stem before the patch embedding, one 2 x 2 stride-2 stage each "
+        "(e.g. 32,64; default: none); helps a tower trained from scratch find few-pixel objects",
+    )  # fmt: skip
     p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="actions per inference (0: ar 10, flow 50)")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--batch", type=int, default=d.batch_size)
@@ -70,6 +75,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_train)
 
 
+def _channels(text: str) -> tuple[int, ...]:
+    from vla_accel_ros.core.errors import ConfigError
+
+    try:
+        return tuple(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise ConfigError(f"--conv-stem {text!r}: give comma-separated channel counts, e.g. 32,64") from None
+
+
 def _train(args: argparse.Namespace) -> int:
     from vla_accel_ros.core.errors import ConfigError
     from vla_accel_ros.train.data import read_episodes
@@ -77,7 +91,7 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(
         family=args.family, size=args.size, cameras=tuple(c.strip() for c in args.cameras.split(",") if c.strip()),
-        image_size=args.image_size, patch_size=args.patch_size, max_steps=args.max_steps, max_minutes=args.max_minutes,
+        image_size=args.image_size, patch_size=args.patch_size, conv_stem=_channels(args.conv_stem), max_steps=args.max_steps, max_minutes=args.max_minutes,
         chunk_size=args.chunk_size, state=not args.no_state, epochs=args.epochs, batch_size=args.batch, lr=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
         val_episodes=args.val_episodes, shift=args.shift, bf16=not args.fp32, seed=args.seed, threads=args.threads,

@@ -25,6 +25,8 @@ from vla_accel_ros.core.prefix import FullRecompute, PrefixContext, PrefixLayout
 from vla_accel_ros.core.robot.motion import MODE_NAMES
 from vla_accel_ros.core.types import Observation
 from vla_accel_ros.models.common import (
+    CONV_STEM,
+    ConvStem,
     Frames,
     Normalizer,
     Projector,
@@ -81,6 +83,9 @@ class VisionPrefix(nn.Module):
 
     def __init__(self, spec: BundleSpec, lm_hidden: int) -> None:
         super().__init__()
+        stem = spec.vision.get(CONV_STEM)
+        # No stem: an empty Sequential is the identity and adds no weights (older bundles load as before).
+        self.stem = ConvStem(stem or ())
         self.vision = interrupt_between_layers(build_vision(spec.vision))
         self.projector = Projector(self.vision.config.hidden_size, lm_hidden)
         self.num_patches = self.num_tokens = spec.grid * spec.grid
@@ -88,7 +93,7 @@ class VisionPrefix(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels: [C, 3, S, S] -> [C, G*G, H]"""
-        feats = self.vision(pixel_values=pixels).last_hidden_state
+        feats = self.vision(pixel_values=self.stem(pixels)).last_hidden_state
         return self.projector(feats)
 
     @property
@@ -96,7 +101,7 @@ class VisionPrefix(nn.Module):
         return self.vision.encoder.layers
 
     def patch_embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.vision.embeddings(pixels)
+        return self.vision.embeddings(self.stem(pixels))
 
     def post_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.vision.post_layernorm(x)

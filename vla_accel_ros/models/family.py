@@ -113,9 +113,25 @@ class Family:
 
 def check_vision_patch(spec: BundleSpec) -> None:
     """One image token per vision patch (the SigLIP towers of ar and flow): the tower's image
-    and patch sizes are the bundle's."""
+    and patch sizes are the bundle's; an optional convolutional stem (``vision.conv_stem``: the
+    channels of its 2 x 2 / stride 2 stages) must divide the patch."""
+    from vla_accel_ros.models.common import CONV_STEM, conv_stem_stride
+
     if (spec.vision.get("image_size"), spec.vision.get("patch_size")) != (spec.image_size, spec.patch_size):
         raise ConfigError("vision.image_size / vision.patch_size must equal image_size / patch_size")
+    stem = spec.vision.get(CONV_STEM)
+    if stem is None:
+        return
+    if (
+        not isinstance(stem, (list, tuple)) or not 1 <= len(stem) <= 4
+        or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 4096 for c in stem)
+    ):  # fmt: skip
+        raise ConfigError(f"vision.{CONV_STEM}={stem!r}: give 1 to 4 channel counts, integers in [1, 4096]")
+    stride = conv_stem_stride(spec.vision)
+    if spec.patch_size % stride:
+        raise ConfigError(
+            f"vision.{CONV_STEM}={list(stem)} shrinks the image {stride}x, which must divide patch_size={spec.patch_size}"
+        )
 
 
 def check_expert_shares_cache(spec: BundleSpec, what: str = "the expert attends to the VLM's K/V") -> None:

@@ -28,9 +28,14 @@ def decoder_layer_flops(cfg: Mapping[str, Any], rows: float, key_rows: float) ->
 def vision_flops(vision: Mapping[str, Any]) -> float:
     """SigLIP tower on one camera frame (no pooling head)."""
     d, f, layers = int(vision["hidden_size"]), int(vision["intermediate_size"]), int(vision["num_hidden_layers"])
-    p = int(vision["patch_size"])
-    n = (int(vision["image_size"]) // p) ** 2
-    embed = 2.0 * n * 3 * p * p * d
+    p, size = int(vision["patch_size"]), int(vision["image_size"])
+    n = (size // p) ** 2
+    stem, c = 0.0, 3  # the optional conv stem: 2 x 2 stride-2 stages, then the patch embedding on its map
+    for ch in vision.get("conv_stem") or ():
+        size, p = size // 2, p // 2
+        stem += 2.0 * size * size * 4 * c * int(ch)
+        c = int(ch)
+    embed = stem + 2.0 * n * c * p * p * d
     per_layer = 8.0 * n * d * d + 4.0 * n * n * d + 4.0 * n * d * f
     return embed + layers * per_layer
 

@@ -30,7 +30,7 @@ import torch
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import BundleError, ConfigError
 from vla_accel_ros.models.family import family_names, get_family
-from vla_accel_ros.models.common import siglip_pixels
+from vla_accel_ros.models.common import CONV_STEM, siglip_pixels
 from vla_accel_ros.train.data import Batch, ChunkDataset, DataStats, Episode, compute_stats, split_episodes
 
 CHECKPOINT_DIR = "checkpoint"
@@ -48,6 +48,10 @@ class TrainConfig(Config):
     patch_size: int = param(
         0, doc="pixels per image-token side (0: the preset's, 14): (image_size / patch_size)^2 tokens per camera",
         range=(0, 2048),
+    )  # fmt: skip
+    conv_stem: tuple[int, ...] = param(
+        (), doc="channels of a convolutional stem in front of the vision tower's patch embedding, one 2 x 2 stride-2 stage "
+        "each (e.g. 32,64; (): none): a linear patch embedding trained from scratch is slow to find few-pixel objects",
     )  # fmt: skip
     chunk_size: int = param(0, doc="actions per inference (0: the family's default: ar 10, flow 50)", range=(0, 1024))
     state: bool = param(
@@ -99,6 +103,20 @@ class TrainConfig(Config):
             raise ConfigError(f"TrainConfig.family={self.family!r} does not train from bags here; use one of {', '.join(trainable)}")
         if self.reasoning and not family.writes_reasoning:
             raise ConfigError(f"TrainConfig.reasoning={self.reasoning!r}: the {self.family} family writes no reasoning")
+        if self.conv_stem:  # before hours of reading bags: a stem must divide the patch
+            from vla_accel_ros.models.factory import demo_spec
+
+            family.validate_spec(self.vision_of(demo_spec(self.family, self.size)))
+
+    def vision_of(self, spec):
+        """``spec`` (a size preset's) with this run's image size, token grid and conv stem."""
+        if not (self.image_size or self.patch_size or self.conv_stem):
+            return spec
+        # One vision patch per image token (ar, flow): the tower's sizes are the bundle's.
+        size, patch = self.image_size or spec.image_size, self.patch_size or spec.patch_size
+        stem = {CONV_STEM: list(self.conv_stem)} if self.conv_stem else {}
+        vision = {**spec.vision, "image_size": size, "patch_size": patch, **stem}
+        return spec.replace(image_size=size, patch_size=patch, vision=vision)
 
     def resolved_image_size(self) -> int:
         """The image size frames are read at: --image-size, else the size preset's (models.demo)."""
@@ -165,12 +183,7 @@ class Trainer:
             # headroom over the template's longest text: a policy may ramble before <act>
             max_reasoning_tokens=template.max_tokens() + 8 if template else 0,
         )  # fmt: skip
-        if cfg.image_size or cfg.patch_size:
-            # One vision patch per image token (ar, flow): the tower's sizes are the bundle's.
-            size, patch = cfg.image_size or self.spec.image_size, cfg.patch_size or self.spec.patch_size
-            self.spec = self.spec.replace(
-                image_size=size, patch_size=patch, vision={**self.spec.vision, "image_size": size, "patch_size": patch}
-            )
+        self.spec = cfg.vision_of(self.spec)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
