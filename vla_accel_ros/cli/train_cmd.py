@@ -91,7 +91,8 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(
         family=args.family, size=args.size, cameras=tuple(c.strip() for c in args.cameras.split(",") if c.strip()),
-        image_size=args.image_size, patch_size=args.patch_size, conv_stem=_channels(args.conv_stem), max_steps=args.max_steps, max_minutes=args.max_minutes,
+        image_size=args.image_size, patch_size=args.patch_size, conv_stem=_channels(args.conv_stem),
+        max_steps=args.max_steps, max_minutes=args.max_minutes,
         chunk_size=args.chunk_size, state=not args.no_state, epochs=args.epochs, batch_size=args.batch, lr=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
         val_episodes=args.val_episodes, shift=args.shift, bf16=not args.fp32, seed=args.seed, threads=args.threads,

@@ -74,6 +74,7 @@ def interrupt_between_layers(tower: nn.Module) -> nn.Module:
 def _check_interrupt(module: nn.Module, args: tuple) -> None:
     check_interrupt()
 
+
 # The key of a bundle's ``vision`` config that adds a convolutional stem (not a SigLIP setting).
 CONV_STEM = "conv_stem"
 

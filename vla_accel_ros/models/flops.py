@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from vla_accel_ros.models.common import CONV_STEM
+
 
 def _heads(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
     hq = int(cfg["num_attention_heads"])
@@ -31,7 +33,7 @@ def vision_flops(vision: Mapping[str, Any]) -> float:
     p, size = int(vision["patch_size"]), int(vision["image_size"])
     n = (size // p) ** 2
     stem, c = 0.0, 3  # the optional conv stem: 2 x 2 stride-2 stages, then the patch embedding on its map
-    for ch in vision.get("conv_stem") or ():
+    for ch in vision.get(CONV_STEM) or ():
         size, p = size // 2, p // 2
         stem += 2.0 * size * size * 4 * c * int(ch)
         c = int(ch)

@@ -27,6 +27,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from vla_accel_ros.core.bundle import BundleSpec
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import BundleError, ConfigError
 from vla_accel_ros.models.family import family_names, get_family
@@ -108,7 +109,7 @@ class TrainConfig(Config):
 
             family.validate_spec(self.vision_of(demo_spec(self.family, self.size)))
 
-    def vision_of(self, spec):
+    def vision_of(self, spec: BundleSpec) -> BundleSpec:
         """``spec`` (a size preset's) with this run's image size, token grid and conv stem."""
         if not (self.image_size or self.patch_size or self.conv_stem):
             return spec
