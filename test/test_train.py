@@ -113,6 +113,26 @@ def test_a_policy_without_state_input_trains_and_loads(episodes, tmp_path):
     assert policy.spec.state_dim == 0 and policy.parity_report.passed
 
 
+def test_state_dropout_hides_the_state_of_the_dropped_samples_only_in_training(episodes, tmp_path):
+    """With --state-dropout 1 every training sample sees the mean state: the loss no longer
+    depends on the recorded states; validation still sees them; 0 changes nothing."""
+    cfg = TrainConfig(family="flow", size="tiny", chunk_size=4, epochs=1, batch_size=4, val_episodes=1, threads=1)
+    trainer = Trainer(cfg.replace(state_dropout=1.0), episodes, tmp_path)
+    batch = trainer.train_set.batch(np.arange(4))
+    moved = trainer.train_set.batch(np.arange(4))
+    moved.states = moved.states + 0.5
+
+    def loss(b, **kw):
+        return float(trainer._loss(b, torch.Generator().manual_seed(0), **kw)[0])
+
+    assert loss(batch, train=True) == loss(moved, train=True)
+    assert loss(batch) != loss(moved)  # validation: the recorded state
+    trainer.cfg = cfg
+    assert loss(batch, train=True) != loss(moved, train=True)
+    with pytest.raises(Exception, match="state_dropout=0.5 needs the state input"):
+        cfg.replace(state=False, state_dropout=0.5)
+
+
 def test_background_batches_train_the_same_weights_as_the_loop(episodes, tmp_path):
     """Batches assembled ahead on threads (and a run stopped mid-epoch, which leaves some
     unused) give the numbers of the plain loop: each batch draws from its own step's generator."""

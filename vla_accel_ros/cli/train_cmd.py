@@ -54,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shift", type=int, default=d.shift, help="augmentation: random image shift in pixels (0: off)")
     p.add_argument("--no-state", action="store_true",
                    help="no joint-state input: the policy acts from its cameras and instruction alone")
+    p.add_argument("--state-dropout", type=float, default=d.state_dropout, metavar="P",
+                   help="replace the joint state of this fraction of training samples by the mean state (default 0)")
     p.add_argument("--fp32", action="store_true", help="no bfloat16 autocast in the forward pass")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: all cores)")
@@ -93,7 +95,8 @@ def _train(args: argparse.Namespace) -> int:
         family=args.family, size=args.size, cameras=tuple(c.strip() for c in args.cameras.split(",") if c.strip()),
         image_size=args.image_size, patch_size=args.patch_size, conv_stem=_channels(args.conv_stem),
         max_steps=args.max_steps, max_minutes=args.max_minutes,
-        chunk_size=args.chunk_size, state=not args.no_state, epochs=args.epochs, batch_size=args.batch, lr=args.lr,
+        chunk_size=args.chunk_size, state=not args.no_state, state_dropout=args.state_dropout, epochs=args.epochs,
+        batch_size=args.batch, lr=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
         val_episodes=args.val_episodes, shift=args.shift, bf16=not args.fp32, seed=args.seed, threads=args.threads,
         loader_threads=args.loader_threads, device=args.device, checkpoint_every=args.checkpoint_every,

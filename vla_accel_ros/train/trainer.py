@@ -59,6 +59,11 @@ class TrainConfig(Config):
         True, doc="feed the joint state to the model (false: images and instruction only; imitating a scripted "
         "expert, a policy can predict much of the next actions from where the arm is, without looking at the scene)",
     )  # fmt: skip
+    state_dropout: float = param(
+        0.0, doc="fraction of training samples whose joint state is replaced by the mean state (0: none): the policy "
+        "must then act from its images, against the scripted expert's shortcut without losing the state at run time",
+        range=(0.0, 1.0),
+    )  # fmt: skip
     epochs: int = param(20, doc="passes over the training frames", range=(1, 100_000))
     batch_size: int = param(16, doc="samples per optimizer step", range=(1, 4096))
     lr: float = param(3e-4, doc="peak AdamW learning rate", range=(1e-7, 1.0))
@@ -104,6 +109,8 @@ class TrainConfig(Config):
             raise ConfigError(f"TrainConfig.family={self.family!r} does not train from bags here; use one of {', '.join(trainable)}")
         if self.reasoning and not family.writes_reasoning:
             raise ConfigError(f"TrainConfig.reasoning={self.reasoning!r}: the {self.family} family writes no reasoning")
+        if self.state_dropout and not self.state:
+            raise ConfigError(f"TrainConfig.state_dropout={self.state_dropout} needs the state input (state=True)")
         if self.conv_stem:  # before hours of reading bags: a stem must divide the patch
             from vla_accel_ros.models.factory import demo_spec
 
@@ -275,12 +282,19 @@ class Trainer:
         return True
 
     # -- the loop ---------------------------------------------------------------------------------------
-    def _loss(self, batch, generator: torch.Generator):
+    def _loss(self, batch, generator: torch.Generator, *, train: bool = False):
         dev = self.device
         extra = {"reasoning": batch.reasoning} if batch.reasoning is not None else {}
+        states = batch.states
+        if train and self.cfg.state_dropout:
+            # The mean state normalizes to zero: "no state" in the units the model sees. Drawn
+            # only when set, so runs without it keep their numbers.
+            drop = torch.rand(states.shape[0], generator=generator) < self.cfg.state_dropout
+            mean = torch.as_tensor(self.stats.state["mean"], dtype=states.dtype)
+            states = torch.where(drop[:, None], mean, states)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             return self.policy.training_loss(
-                siglip_pixels(batch.frames.to(dev)), batch.states.to(dev), batch.instruction,
+                siglip_pixels(batch.frames.to(dev)), states.to(dev), batch.instruction,
                 batch.actions.to(dev), batch.valid.to(dev), generator, **extra,
             )  # fmt: skip
 
@@ -288,7 +302,7 @@ class Trainer:
         """One optimizer step on ``batch`` at learning rate ``lr``."""
         for g in self.opt.param_groups:
             g["lr"] = lr
-        loss, metrics = self._loss(batch, generator)
+        loss, metrics = self._loss(batch, generator, train=True)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss at step {self.step}: {float(loss.detach())}")
         self.opt.zero_grad(set_to_none=True)
