@@ -123,7 +123,8 @@ def test_state_dropout_hides_the_state_of_the_dropped_samples_only_in_training(e
     moved.states = moved.states + 0.5
 
     def loss(b, **kw):
-        return float(trainer._loss(b, torch.Generator().manual_seed(0), **kw)[0])
+        with torch.no_grad():
+            return float(trainer._loss(b, torch.Generator().manual_seed(0), **kw)[0])
 
     assert loss(batch, train=True) == loss(moved, train=True)
     assert loss(batch) != loss(moved)  # validation: the recorded state
