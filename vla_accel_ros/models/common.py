@@ -109,11 +109,10 @@ def build_vision(spec: Mapping[str, Any]) -> nn.Module:
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     kw = {k: v for k, v in spec.items() if k != CONV_STEM}
-    stem = list(spec.get(CONV_STEM) or ())
-    if stem:
-        stride = conv_stem_stride(spec)
+    stride = conv_stem_stride(spec)
+    if stride > 1:
         kw.update(image_size=int(kw["image_size"]) // stride, patch_size=int(kw["patch_size"]) // stride,
-                  num_channels=int(stem[-1]))  # fmt: skip
+                  num_channels=int(spec[CONV_STEM][-1]))  # fmt: skip
     try:
         cfg = SiglipVisionConfig(**{**kw, "vision_use_head": False})
     except (TypeError, ValueError) as e:

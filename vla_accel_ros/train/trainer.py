@@ -180,6 +180,8 @@ class Trainer:
         self.train_set = ChunkDataset(train_eps, chunk, cfg.frame_stride, reasoning=template)
         self.val_set = ChunkDataset(val_eps, chunk, cfg.frame_stride, reasoning=template) if val_eps else None
         self.stats: DataStats = compute_stats(train_eps)
+        # What --state-dropout puts in place of a dropped state (once, not per step).
+        self._state_mean = torch.as_tensor(self.stats.state["mean"], dtype=torch.float32) if self.stats.state else None
         instruction = self.train_set.instruction
         state_dim = int(train_eps[0].states.shape[1]) if cfg.state else 0
         name = cfg.name or f"{task or 'policy'}-{cfg.family}"
@@ -290,8 +292,7 @@ class Trainer:
             # The mean state normalizes to zero: "no state" in the units the model sees. Drawn
             # only when set, so runs without it keep their numbers.
             drop = torch.rand(states.shape[0], generator=generator) < self.cfg.state_dropout
-            mean = torch.as_tensor(self.stats.state["mean"], dtype=states.dtype)
-            states = torch.where(drop[:, None], mean, states)
+            states = torch.where(drop[:, None], self._state_mean, states)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             return self.policy.training_loss(
                 siglip_pixels(batch.frames.to(dev)), states.to(dev), batch.instruction,
