@@ -55,7 +55,7 @@ def test_shipped_bundle_passes_the_gate_and_beats_an_untrained_one(name, scripte
     base = open_loop_error(untrained, demos, lower, upper)["mean_abs_rad"]
     chunk = trained.infer(demos[0].frames[0][1])
     assert chunk.actions.shape == (spec.chunk_size, spec.action_dim) and np.isfinite(chunk.actions).all()
-    assert got < 0.1 and got < base / 4, (got, base)  # measured: ar 0.073 vs 0.43, flow 0.032 vs 0.39
+    assert got < 0.1 and got < base / 4, (got, base)  # measured: ar 0.073 vs 0.43, flow 0.028 vs 0.41
 
 
 def test_the_shipped_reasoning_bundle_reasons_like_the_ground_truth(scripted_demo):
@@ -82,3 +82,20 @@ def test_the_shipped_reasoning_bundle_reasons_like_the_ground_truth(scripted_dem
                 assert b.stats["reasoning_tokens"] == a.stats["reasoning_tokens"]
             assert b.stats["reasoning_reused_fraction"] == 1.0
     assert np.mean(agree) > 0.8, agree
+
+
+def test_the_shipped_flow_bundle_grasps_in_closed_loop(tmp_path):
+    """The reference policy does the task, not only the expert's next actions: four held-out
+    seeds in the simulator through `vla-accel eval`. Measured on seeds 100000..100099: lifted
+    97, transferred 81; these four all transferred. The bounds leave room for another CPU's
+    rounding to change a rollout (the superseded bundle lifted the cube on 13 of 100 seeds)."""
+    pytest.importorskip("gym_aloha")
+    from vla_accel_ros.cli import main
+
+    out = tmp_path / "eval"
+    argv = ["eval", "--bundle", str(shipped_bundle("transfer_cube-flow")), "--episodes", "4", "--seed", "100000",
+            "--modes", "baseline", "--open-loop-episodes", "0", "--threads", "1", "--no-plots", "--no-progress",
+            "--report", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    stages = {s["name"]: s["reached"] for s in json.loads((out / "report.json").read_text())["modes"]["baseline"]["stages"]}
+    assert stages["lifted"] >= 3 and stages["transferred"] >= 1, stages
