@@ -108,7 +108,7 @@ def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
     assert (out / "report.md").is_file() and (out / "success.png").is_file()
     text = (out / "report.md").read_text()
     assert "Task stages reached" in text and "Motion and image tokens" in text
-    assert "| mode | success (Wilson 95%) | touched | lifted | McNemar p: success / touched / lifted |" in text
+    assert "| mode | success (Wilson 95%) | touched | lifted | success: gained / lost | McNemar p: success / touched / lifted |" in text
 
 
 def test_prefix_statistics_are_split_by_the_motion_mode_of_each_inference():

@@ -118,19 +118,24 @@ def summary_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{100 * v:.0f}%"
 
+    def p_value(v: float) -> str:  # a decisive loss must not read as 0.00
+        return "<0.001" if v < 1e-3 else f"{v:.3f}"
+
     stage_names = [s["name"] for s in result["modes"][names[0]]["stages"][:2]]
-    header = ["mode", "success (Wilson 95%)", *stage_names, f"McNemar p: success / {' / '.join(stage_names)}",
-              "p50 ms", "speedup", "ticks in fine", "tokens kept coarse / fine"]  # fmt: skip
+    header = ["mode", "success (Wilson 95%)", *stage_names, "success: gained / lost",
+              f"McNemar p: success / {' / '.join(stage_names)}", "p50 ms", "speedup", "ticks in fine",
+              "tokens kept coarse / fine"]  # fmt: skip
     out = []
     for n in names:
         m = result["modes"][n]
         lo, hi = m["success_ci95"]
         stages = [f"{s['reached']}/{m['episodes']}" for s in m["stages"][:2]]
         p = m.get("paired_vs_baseline")
-        paired = "-" if p is None else " / ".join(f"{c['p_value']:.2f}" for c in (p["success"], *p["stages"][:2]))
+        paired = "-" if p is None else " / ".join(p_value(c["p_value"]) for c in (p["success"], *p["stages"][:2]))
+        swing = "-" if p is None else f"+{p['success']['mode_only']} / -{p['success']['baseline_only']}"
         kept = m.get("tokens_kept_fraction") or {}
         out.append([
-            n, f"{m['successes']}/{m['episodes']} [{100 * lo:.0f}, {100 * hi:.0f}]%", *stages, paired,
+            n, f"{m['successes']}/{m['episodes']} [{100 * lo:.0f}, {100 * hi:.0f}]%", *stages, swing, paired,
             f"{m['latency_ms']['p50']:.1f}", f"{m['speedup_vs_baseline']:.2f}x" if m.get("speedup_vs_baseline") else "-",
             pct(m.get("fine_fraction")), f"{pct(kept.get('coarse'))} / {pct(kept.get('fine'))}",
         ])  # fmt: skip
@@ -178,7 +183,8 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
     if summary:
         parts += [
             "Every mode against the baseline in one table (the sections below have the details): success with its "
-            "Wilson interval, the first two task stages reached, the exact McNemar p-value of success and of those "
+            "Wilson interval, the first two task stages reached, the seeds the mode succeeded on and the baseline did "
+            "not (gained) and the reverse (lost), the exact McNemar p-value of success and of those "
             "stages against the baseline on the same seeds (per comparison, uncorrected), latency p50, the control "
             "ticks in fine motion and the image tokens kept in coarse / fine motion.",
             "",
