@@ -214,8 +214,9 @@ def test_the_local_fixtures_regenerate_bit_exactly_with_lerobot(tmp_path):
     from safetensors.torch import load_file
 
     for name in (n for n in FIXTURES if n != "shared"):
-        a, b = load_file(str(FIXTURES[name] / "fixture.safetensors")), load_file(str(tmp_path / name / "fixture.safetensors"))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        for file in ("fixture.safetensors", "training.safetensors"):
+            a, b = load_file(str(FIXTURES[name] / file)), load_file(str(tmp_path / name / file))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (name, file)
 
 
 @pytest.fixture(scope="module")
@@ -318,3 +319,88 @@ def test_the_compiled_expert_step_matches_the_eager_one(tmp_path):
     np.testing.assert_allclose(compiled.infer(obs, noise=noise, guidance=guide).actions,
                                eager.infer(obs, noise=noise, guidance=guide).actions, atol=1e-5)  # fmt: skip
     assert compiled.expert_engine.static_calls == 2 * eager.num_steps  # guided steps ran eager
+
+
+# -- training here, export to LeRobot ---------------------------------------------------------------
+TRAINING = sorted(n for n, p in FIXTURES.items() if (p / "training.safetensors").is_file())
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_the_training_loss_is_lerobots(imported, name):
+    """``training_loss`` on a batch of two observations with actions, given the noise and flow
+    times LeRobot was given: LeRobot's own ``SmolVLAPolicy.forward`` loss (make_fixtures.py
+    --training), fp32, within 1e-5; other times give another loss (the check can fail)."""
+    from safetensors.torch import load_file
+
+    from vla_accel_ros.models.lerobot_compat import resize_with_pad
+
+    torch.set_num_threads(1)
+    t = load_file(str(FIXTURES[name] / "training.safetensors"))
+    policy = load_policy(imported[name], PolicyConfig(parity_check=False))
+    feature = {ours: theirs for theirs, ours in json.loads((imported[name] / SOURCE_FILE).read_text())["cameras"].items()}
+    size = policy.spec.image_size
+    pixels = torch.stack([resize_with_pad(t[f"raw.{feature[c]}"], size) for c in policy.spec.cameras], 1) * 2 - 1
+    task = json.loads((FIXTURES[name] / "fixture.json").read_text())["task"]
+
+    def loss(time):
+        with torch.no_grad():
+            return float(policy.training_loss(pixels, t["raw.observation.state"], task, t["raw.action"], None, None,
+                                              noise=t["noise"], time=time)[0])  # fmt: skip
+
+    assert abs(loss(t["time"]) - float(t["loss"])) < 1e-5, (loss(t["time"]), float(t["loss"]))
+    assert abs(loss(t["time"] * 0.5) - float(t["loss"])) > 1e-3
+
+
+def _exported(imported, tmp_path):
+    from vla_accel_ros.models.smolvla.lerobot_export import export_lerobot
+
+    return export_lerobot(imported["fewer_experts_special_tokens"], tmp_path / "lerobot")
+
+
+def test_an_exported_checkpoint_imports_back_to_the_same_policy(imported, tmp_path):
+    """``bundle export-lerobot`` then ``bundle import --lerobot``: the same weights, options,
+    statistics and tokenizer ids (the export is LeRobot's layout, read by the importer that reads
+    LeRobot's own checkpoints), the same actions; never overwritten."""
+    from safetensors.torch import load_file
+
+    src = imported["fewer_experts_special_tokens"]
+    out = _exported(imported, tmp_path)
+    back = import_lerobot(out, tmp_path / "back")
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)
+    s1, s2 = json.loads((src / "config.json").read_text()), json.loads((back / "config.json").read_text())
+    for key in ("options", "norm_stats", "lm", "expert", "vision", "image_size", "patch_size", "chunk_size", "num_steps", "cameras"):
+        assert s1[key] == s2[key], key
+    p1, p2 = (load_policy(p, PolicyConfig(parity_check=False)) for p in (src, back))
+    assert p1.text_ids("transfer the cube") == p2.text_ids("transfer the cube")
+    obs = fixture_observation(p1, load_fixture(FIXTURES["fewer_experts_special_tokens"]),
+                              json.loads((src / SOURCE_FILE).read_text())["cameras"])  # fmt: skip
+    noise = np.random.default_rng(0).standard_normal(p1.noise_shape).astype(np.float32)
+    assert np.abs(p1.infer(obs, noise=noise).actions - p2.infer(obs, noise=noise).actions).max() < 1e-6
+    with pytest.raises(BundleError, match="never overwritten"):
+        _exported(imported, tmp_path)
+    proc = _cli("bundle", "export-lerobot", "--bundle", str(imported["self_attn_one_camera"]), "--out", str(tmp_path / "x"),
+                "--image-size", "480by640")  # fmt: skip
+    assert proc.returncode == 2 and "--image-size '480by640'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_lerobot_loads_an_exported_checkpoint_and_computes_our_actions(imported, tmp_path):
+    """LeRobot 0.4.4 (its side venv) loads the export with ``SmolVLAPolicy.from_pretrained`` and
+    its processors, and ``bench lerobot`` finds our fp32 baseline within 1e-4 std of it."""
+    if not LEROBOT_PY.is_file():
+        pytest.skip(f"LeRobot's side venv is missing ({LEROBOT_PY})")
+    pytest.importorskip("gym_aloha", reason="requirements-sim.txt is not installed")
+    from vla_accel_ros.cli import main
+
+    out = _exported(imported, tmp_path)
+    bag = tmp_path / "bag"
+    assert main(["sim", "record", "--task", "transfer_cube", "--episodes", "1", "--steps", "4", "--cameras",
+                 "top,left_wrist", "--height", "96", "--width", "128", "--out", str(bag)]) == 0  # fmt: skip
+    report = tmp_path / "report"
+    argv = ["bench", "lerobot", "--lerobot", str(out), "--python", str(LEROBOT_PY), "--bag", str(bag), "--bundle",
+            str(imported["fewer_experts_special_tokens"]), "--max-frames", "2", "--threads", "1", "--modes", "baseline",
+            "--report", str(report)]  # fmt: skip
+    assert main(argv) == 0
+    rep = json.loads((report / "report.json").read_text())
+    assert rep["modes"]["baseline"]["deviation_vs_lerobot"]["max_over_std"] < 1e-4

@@ -69,6 +69,17 @@ def test_random_shift_is_the_crop_of_an_edge_padded_image():
         np.testing.assert_array_equal(res, padded[y : y + 16, x : x + 16])
 
 
+def test_a_deferred_shift_gives_the_same_batch(episodes):
+    """``defer_shift`` (the GPU path): the frames stay unshifted, the offsets travel with the batch
+    and :meth:`Batch.device_frames` applies them by a gather: the pixels of the CPU's slices."""
+    ds = ChunkDataset(episodes, 4, 1)
+    rows = np.arange(6)
+    now = ds.batch(rows, shift=5, generator=torch.Generator().manual_seed(3))
+    later = ds.batch(rows, shift=5, generator=torch.Generator().manual_seed(3), defer_shift=True)
+    assert now.offsets is None and later.offsets is not None and not torch.equal(later.frames, now.frames)
+    assert torch.equal(later.device_frames("cpu"), now.frames)
+
+
 def test_chunks_pad_past_the_episode_end(episodes):
     ds = ChunkDataset(episodes, chunk_size=5, stride=4)
     assert len(ds) == EPISODES * 3  # frames 0, 4, 8 of each episode
@@ -200,6 +211,44 @@ def test_train_cli_image_grid_and_time_budget(demo_bag, tmp_path, capsys):
     assert "resumed at step 1 of 6" in err and "stopped at --max-steps 3 at step 3 of 6" in err
     assert main(common + ["--resume"]) == 0
     assert "resumed at step 3 of 6" in capsys.readouterr().err
+
+
+def test_a_smolvla_trains_here_without_the_state_and_loads_as_lerobots_architecture(tmp_path, capsys):
+    """``--family smolvla``: two cameras read at their own size and padded as LeRobot pads them
+    (read by two processes), its own tokenizer written into the bundle, a schedule sized by
+    --fit-minutes; without the state the projection stays zero, so the chunk is the same
+    whatever the state; the bundle passes the parity gate. With the state it learns from it."""
+    from vla_accel_ros.io.bag_reader import BagReader
+    from vla_accel_ros.models.factory import load_policy
+
+    bags = [tmp_path / "a", tmp_path / "b"]
+    for i, bag in enumerate(bags):
+        assert main(["sim", "record", "--task", "transfer_cube", "--episodes", "1", "--steps", "8", "--seed", str(i),
+                     "--cameras", "top,left_wrist", "--height", "96", "--width", "128", "--out", str(bag)]) == 0  # fmt: skip
+    common = ["train", "--family", "smolvla", "--size", "tiny", "--data", *map(str, bags), "--cameras",
+              "cam_high,cam_left_wrist", "--batch", "4", "--val-episodes", "1", "--chunk-size", "4", "--threads", "1",
+              "--read-workers", "2", "--no-progress", "--save-dtype", "float32", "--epochs", "50"]  # fmt: skip
+    blind, seeing = tmp_path / "blind", tmp_path / "seeing"
+    assert main(common + ["--out", str(blind), "--no-state", "--fit-minutes", "1e-3"]) == 0
+    assert "--fit-minutes 0.001: " in capsys.readouterr().err  # the probe's steps, then the fitted end
+    assert (blind / "tokenizer" / "tokenizer.json").is_file()
+    assert main(common + ["--out", str(seeing), "--max-steps", "2"]) == 0
+    with BagReader(bags[0]) as bag:
+        obs = next(iter(bag.samples())).observation
+    moved = type(obs)(**{**obs.__dict__, "state": np.asarray(obs.state) + 0.3})
+    for out, state_matters in ((blind, False), (seeing, True)):
+        policy = load_policy(out)  # the start-up gate on the trained bundle
+        assert policy.spec.image_resize == "pad" and policy.spec.tokenizer == "bundle" and policy.parity_report.passed
+        assert torch.count_nonzero(policy.model.state_proj.weight).item() == (0 if not state_matters else policy.model.state_proj.weight.numel())
+        noise = np.zeros(policy.noise_shape, np.float32)
+        same = np.array_equal(policy.infer(obs, noise=noise).actions, policy.infer(moved, noise=noise).actions)
+        assert same != state_matters
+    with pytest.raises(Exception, match="conv_stem: a smolvla policy keeps"):
+        TrainConfig(family="smolvla", conv_stem=(4,))
+    with pytest.raises(Exception, match="patch_size=40 must be a multiple of SmolVLM's 16 px patches"):
+        TrainConfig(family="smolvla", image_size=400, patch_size=40)
+    big = TrainConfig(family="smolvla", size="mini", image_size=512, patch_size=64).frame_rule()
+    assert big == (512, "pad")
 
 
 def _marker_bag(path, markers: dict[int, int], ticks: int = 6):

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from vla_accel_ros.bench.lerobot_eval import LEROBOT
 from vla_accel_ros.bench.outcomes import paired_vs_baseline, stage_summary, wilson_interval
 from vla_accel_ros.bench.reasoning import reasoning_summary, truth_words
 from vla_accel_ros.bench.replay import BASELINE, build_runs, check_overrides, machine_info, mode_of, parse_modes, policy_config
@@ -89,6 +90,9 @@ class EvalConfig:
     ros_domain_id: int | None = None
     ros_startup_timeout_s: float = 300.0
     ros_episode_timeout_s: float = 600.0
+    # The lerobot mode: LeRobot's checkpoint of the bundle and the Python of LeRobot's side venv.
+    lerobot: Path | None = None
+    lerobot_python: Path | None = None
 
     def validate(self) -> None:
         if self.task not in TASK_NAMES:
@@ -105,12 +109,34 @@ class EvalConfig:
             raise ConfigError("--open-loop-episodes must be >= 0 and --open-loop-stride >= 1")
         if not Path(self.bundle).exists():
             raise ConfigError(f"--bundle {self.bundle} does not exist")
-        names = parse_modes(list(self.modes))
+        names = eval_modes(list(self.modes))
         check_overrides(self)
         GraphConfigs.load(self.params, self.scheduler_overrides)  # ConfigError: a bad file or --scheduler value
+        if LEROBOT in names:
+            if self.lerobot_python is None or not Path(self.lerobot_python).is_file():
+                raise ConfigError(f"mode {LEROBOT} runs LeRobot in its own Python: --lerobot-python {self.lerobot_python} "
+                                  "is not a file (../shared/tools/lerobot-reference/install_lerobot_venv.sh makes one)")  # fmt: skip
+            if self.lerobot is not None and not (Path(self.lerobot) / "config.json").is_file():
+                raise ConfigError(f"--lerobot {self.lerobot}: no config.json (LeRobot's saved policy directory)")
+            if self.through_ros:
+                raise ConfigError(f"mode {LEROBOT} cannot run through the ROS graph (the policy node runs the engine)")
         if self.through_ros:
             for name in names:
                 graph_params(name, self)  # ConfigError: a mode the graph cannot run
+
+
+def eval_modes(text) -> list[str]:
+    """The evaluation's modes in run order: the replay's (:func:`parse_modes`, baseline first)
+    and ``lerobot``, LeRobot's own runtime, where it is listed."""
+    names = [m.strip() for m in text.split(",")] if isinstance(text, str) else [m.strip() for m in text]
+    engine = parse_modes([m for m in names if m and m != LEROBOT])
+    if LEROBOT not in names:
+        return engine
+    if names.count(LEROBOT) > 1:
+        raise ConfigError(f"--modes lists {LEROBOT} twice")
+    before = [m for m in names[: names.index(LEROBOT)] if m]
+    at = len(before) + (BASELINE not in names)  # after the modes listed before it (and an added baseline)
+    return [*engine[:at], LEROBOT, *engine[at:]]
 
 
 # ---------------------------------------------------------------------------------- the graph
@@ -523,14 +549,18 @@ def _first_chunk_spread(firsts: list[tuple[np.ndarray, np.ndarray]]) -> dict[str
 
 def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> dict[str, Any]:
     cfg.validate()
-    names = parse_modes(list(cfg.modes))
+    names = eval_modes(list(cfg.modes))
     graph = GraphConfigs.load(cfg.params, cfg.scheduler_overrides)
     bundle = load_bundle(cfg.bundle)
     spec = bundle.spec
     if tuple(spec.joint_names) != tuple(graph.robot.joint_names):
         raise ConfigError(f"bundle {spec.name} joints {list(spec.joint_names)} differ from robot.joint_names")
     robot = SimRobot(cfg.task, tuple(spec.cameras), graph.robot, graph.sync(spec.frame_size), cfg.height, cfg.width)
-    runs = build_runs(bundle, names, cfg)
+    runs = build_runs(bundle, [n for n in names if n != LEROBOT], cfg)
+    if LEROBOT in names:
+        from vla_accel_ros.bench.lerobot_eval import lerobot_run
+
+        runs.insert(names.index(LEROBOT), lerobot_run(cfg.bundle, spec, cfg.lerobot, cfg.lerobot_python, cfg.num_threads))
     seeds = [cfg.seed + i for i in range(cfg.episodes)]
     lo, hi = (graph.safety.lower, graph.safety.upper) if graph.safety.lower else default_limits(graph.robot)
     demos = record_demos(robot, cfg.task, seeds[: cfg.open_loop_episodes], cfg.steps, cfg.open_loop_stride)
@@ -538,21 +568,29 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
     total = len(runs) * len(seeds)
     bar = tqdm(total=total, desc="eval", unit="episode", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter()
-    with bar:
+    try:
+        with bar:
+            for r in runs:
+                results = []
+                warm_up(robot, r, seeds[0])
+                for seed in seeds:
+                    res = run_episode(robot, r, graph, seed, cfg, noise_seed=cfg.seed)
+                    results.append(res)
+                    bar.update(1)
+                    ok = sum(x.success for x in results)
+                    bar.set_postfix_str(f"{r.name}: {ok}/{len(results)} success")
+                ol = open_loop_error(r.policy, demos, np.asarray(lo), np.asarray(hi))
+                modes[r.name] = summarize_mode(r, results, ol, cfg.task)
+    finally:
         for r in runs:
-            results = []
-            warm_up(robot, r, seeds[0])
-            for seed in seeds:
-                res = run_episode(robot, r, graph, seed, cfg, noise_seed=cfg.seed)
-                results.append(res)
-                bar.update(1)
-                ok = sum(x.success for x in results)
-                bar.set_postfix_str(f"{r.name}: {ok}/{len(results)} success")
-            ol = open_loop_error(r.policy, demos, np.asarray(lo), np.asarray(hi))
-            modes[r.name] = summarize_mode(r, results, ol, cfg.task)
+            if hasattr(r.policy, "close"):
+                r.policy.close()  # the lerobot mode's worker process
     base_p50 = modes[BASELINE]["latency_ms"]["p50"]
+    ref_p50 = modes[LEROBOT]["latency_ms"]["p50"] if LEROBOT in modes else None
     for name, m in modes.items():
         m["speedup_vs_baseline"] = float(base_p50 / m["latency_ms"]["p50"]) if m["latency_ms"]["p50"] else None
+        if ref_p50:
+            m["speedup_vs_lerobot"] = float(ref_p50 / m["latency_ms"]["p50"]) if m["latency_ms"]["p50"] else None
         if name != BASELINE:
             m["paired_vs_baseline"] = paired_vs_baseline(modes[BASELINE]["per_episode"], m["per_episode"], cfg.task)
     return {

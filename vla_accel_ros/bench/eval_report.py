@@ -122,9 +122,10 @@ def summary_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         return "<0.001" if v < 1e-3 else f"{v:.3f}"
 
     stage_names = [s["name"] for s in result["modes"][names[0]]["stages"][:2]]
+    vs_lerobot = any("speedup_vs_lerobot" in result["modes"][n] for n in names)  # a run with the lerobot mode
     header = ["mode", "success (Wilson 95%)", *stage_names, "success: gained / lost",
-              f"McNemar p: success / {' / '.join(stage_names)}", "p50 ms", "speedup", "ticks in fine",
-              "tokens kept coarse / fine"]  # fmt: skip
+              f"McNemar p: success / {' / '.join(stage_names)}", "p50 ms", "speedup",
+              *(["vs LeRobot"] if vs_lerobot else []), "ticks in fine", "tokens kept coarse / fine"]  # fmt: skip
     out = []
     for n in names:
         m = result["modes"][n]
@@ -137,6 +138,7 @@ def summary_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         out.append([
             n, f"{m['successes']}/{m['episodes']} [{100 * lo:.0f}, {100 * hi:.0f}]%", *stages, swing, paired,
             f"{m['latency_ms']['p50']:.1f}", f"{m['speedup_vs_baseline']:.2f}x" if m.get("speedup_vs_baseline") else "-",
+            *([f"{m['speedup_vs_lerobot']:.2f}x" if m.get("speedup_vs_lerobot") else "-"] if vs_lerobot else []),
             pct(m.get("fine_fraction")), f"{pct(kept.get('coarse'))} / {pct(kept.get('fine'))}",
         ])  # fmt: skip
     return header, out
@@ -185,7 +187,8 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
             "Every mode against the baseline in one table (the sections below have the details): success with its "
             "Wilson interval, the first two task stages reached, the seeds the mode succeeded on and the baseline did "
             "not (gained) and the reverse (lost), the exact McNemar p-value of success and of those "
-            "stages against the baseline on the same seeds (per comparison, uncorrected), latency p50, the control "
+            "stages against the baseline on the same seeds (per comparison, uncorrected), latency p50 and the speed-up "
+            "over the baseline (and over LeRobot's own runtime, the lerobot mode, when it ran), the control "
             "ticks in fine motion and the image tokens kept in coarse / fine motion.",
             "",
             _md_table(header, summary),

@@ -91,16 +91,33 @@ class LeRobotBenchConfig:
             raise ConfigError(f"--lerobot {self.lerobot}: unreadable config.json ({e})") from e
 
 
+def camera_map(lerobot: Path, bundle_path: Path, spec) -> dict[str, str]:
+    """LeRobot camera (``observation.images.<name>`` without the prefix) -> the bundle's camera:
+    what the import noted in source.json, else the same names (a bundle exported to LeRobot)."""
+    from vla_accel_ros.models.lerobot_compat import SOURCE_FILE
+
+    source = bundle_path / SOURCE_FILE
+    if source.is_file():
+        cameras = json.loads(source.read_text())["cameras"]
+        return {k.removeprefix("observation.images."): v for k, v in cameras.items()}
+    feats = json.loads((lerobot / "config.json").read_text()).get("input_features") or {}
+    theirs = [k.removeprefix("observation.images.") for k, f in feats.items() if (f or {}).get("type") == "VISUAL"]
+    if sorted(theirs) != sorted(spec.cameras):
+        raise ConfigError(f"--lerobot {lerobot} has cameras {theirs}, the bundle {list(spec.cameras)} (and no {SOURCE_FILE} "
+                          "mapping them): not the same policy")  # fmt: skip
+    return {c: c for c in theirs}
+
+
 class LeRobotWorker:
     """The LeRobot process: one request (an observation and its noise) -> actions and timings."""
 
-    def __init__(self, cfg: LeRobotBenchConfig) -> None:
+    def __init__(self, python: Path, policy: Path, threads: int, *, vlm: Path | None = None, tokenizer: Path | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="vla-lerobot-"))
-        cmd = [str(cfg.python), str(WORKER), "--policy", str(cfg.lerobot), "--threads", str(cfg.threads), "--exchange", str(self.dir)]
-        if cfg.vlm:
-            cmd += ["--vlm", str(cfg.vlm)]
-        if cfg.tokenizer:
-            cmd += ["--tokenizer", str(cfg.tokenizer)]
+        cmd = [str(python), str(WORKER), "--policy", str(policy), "--threads", str(threads), "--exchange", str(self.dir)]
+        if vlm:
+            cmd += ["--vlm", str(vlm)]
+        if tokenizer:
+            cmd += ["--tokenizer", str(tokenizer)]
         self.log = self.dir / "worker.log"  # its stderr: LeRobot's own prints, a traceback
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -163,7 +180,6 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
     from vla_accel_ros.io.bag_reader import BagReader
     from vla_accel_ros.models.factory import load_bundle
     from vla_accel_ros.models.family import get_family
-    from vla_accel_ros.models.lerobot_compat import SOURCE_FILE
 
     cfg.validate()
     names = parse_modes(list(cfg.modes))
@@ -173,11 +189,10 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
     if cfg.bundle is None:
         get_family(cfg.policy_type()).import_lerobot(cfg.lerobot, bundle_path, vlm=cfg.vlm, tokenizer=cfg.tokenizer)
     import_s = time.perf_counter() - t0
-    cameras = json.loads((bundle_path / SOURCE_FILE).read_text())["cameras"]  # LeRobot feature -> our camera
-    cameras = {k.removeprefix("observation.images."): v for k, v in cameras.items()}
     torch.set_num_threads(cfg.threads)
     bundle = load_bundle(bundle_path)
     spec = bundle.spec
+    cameras = camera_map(cfg.lerobot, bundle_path, spec)
     sync = SyncConfig(cameras=tuple(spec.cameras))
     frames = []
     with BagReader(cfg.bag) as bag:
@@ -205,7 +220,7 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
     shape = runs[0].policy.noise_shape
     std = action_std(spec)
     params_m = round(sum(p.numel() for p in runs[0].policy.model.parameters()) / 1e6, 1)
-    worker = None if cfg.sequential else LeRobotWorker(cfg)
+    worker = None if cfg.sequential else _worker(cfg)
     try:
         _interleave(frames, cfg, runs, worker, cameras, shape, spec, lerobot, progress, "bench lerobot")
         if cfg.sequential:
@@ -213,7 +228,7 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
                 r.policy = r.pipeline = None
             del bundle
             gc.collect()
-            worker = LeRobotWorker(cfg)
+            worker = _worker(cfg)
             _interleave(frames, cfg, [], worker, cameras, shape, spec, lerobot, progress, "bench lerobot (LeRobot)")
     finally:
         if worker is not None:
@@ -245,6 +260,10 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
     }  # fmt: skip
     _write(cfg.report, result)
     return result
+
+
+def _worker(cfg: LeRobotBenchConfig) -> LeRobotWorker:
+    return LeRobotWorker(cfg.python, cfg.lerobot, cfg.threads, vlm=cfg.vlm, tokenizer=cfg.tokenizer)
 
 
 def _interleave(frames, cfg: LeRobotBenchConfig, runs, worker, cameras, shape, spec, lerobot, progress: bool, label: str) -> None:

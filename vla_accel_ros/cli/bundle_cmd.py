@@ -1,4 +1,4 @@
-"""``vla-accel bundle create-demo | import | inspect``."""
+"""``vla-accel bundle create-demo | import | export-lerobot | inspect``."""
 
 from __future__ import annotations
 
@@ -52,6 +52,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--fps", type=float, default=50.0, help="control rate the actions were recorded at (dt = 1/fps; default 50)")
     m.add_argument("--instruction", default="", help="the task used when the policy node is given none")
     m.set_defaults(func=_import)
+
+    e = command(
+        bsub, "export-lerobot", "write a LeRobot SmolVLA checkpoint from a smolvla bundle (LeRobot 0.4.4 loads it)",
+        "vla-accel bundle export-lerobot --bundle bundles/transfer_cube-smolvla --out lerobot/transfer_cube-smolvla",
+        details="Writes LeRobot's saved layout: config.json, model.safetensors (fp32, LeRobot's module names), the "
+        "pre/post-processor pipelines and statistics, and vlm/ (the SmolVLM config, the bundle's tokenizer and the "
+        "processor files) which config.json's vlm_model_name names by its absolute path. Load it with "
+        "SmolVLAPolicy.from_pretrained(DIR) in LeRobot; `vla-accel bench lerobot --lerobot DIR --bundle B` compares.",
+    )  # fmt: skip
+    e.add_argument("--bundle", required=True, help="the smolvla bundle (with its own tokenizer)")
+    e.add_argument("--out", required=True, metavar="DIR", help="directory to write (never overwritten)")
+    e.add_argument("--vlm-name", default="", help="vlm_model_name to write (default: the absolute path of DIR/vlm)")
+    e.add_argument("--image-size", default="480x640", metavar="HxW",
+                   help="camera frame size the features declare (default 480x640; LeRobot resizes what arrives)")
+    e.set_defaults(func=_export_lerobot)
 
     i = command(bsub, "inspect", "print a bundle's configuration", "vla-accel bundle inspect bundles/transfer_cube-flow")
     i.add_argument("path")
@@ -107,6 +122,22 @@ def _import(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(inspect_bundle(path))
     print(f"imported in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
+def _export_lerobot(args: argparse.Namespace) -> int:
+    from vla_accel_ros.core.errors import ConfigError
+    from vla_accel_ros.models.smolvla.lerobot_export import export_lerobot
+
+    try:
+        h, w = (int(x) for x in args.image_size.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--image-size {args.image_size!r}: give HEIGHTxWIDTH, e.g. 480x640") from None
+    if h < 1 or w < 1:
+        raise ConfigError(f"--image-size {args.image_size!r}: both sides must be >= 1")
+    t = time.perf_counter()
+    out = export_lerobot(args.bundle, args.out, vlm_name=args.vlm_name, image_hw=(h, w))
+    print(f"wrote {out} in {time.perf_counter() - t:.1f} s (LeRobot: SmolVLAPolicy.from_pretrained({str(out)!r}))")
     return 0
 
 

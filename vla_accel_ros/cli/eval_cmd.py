@@ -23,8 +23,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--episodes", type=int, default=20, help="episodes per mode (default %(default)s)")
     p.add_argument(
         "--modes", default="baseline,cache",
-        help="comma-separated modes, as `vla-accel replay` (baseline added; @<precision>[+compile] suffixes)",
+        help="comma-separated modes, as `vla-accel replay` (baseline added; @<precision>[+compile] suffixes), and "
+        "lerobot: LeRobot's own runtime on the same seeds and noise (--lerobot-python)",
     )  # fmt: skip
+    p.add_argument("--lerobot", type=Path, default=None, metavar="DIR",
+                   help="lerobot mode: LeRobot's checkpoint of the bundle (default: `bundle export-lerobot` of it into "
+                   "REPORT/lerobot)")  # fmt: skip
+    p.add_argument("--lerobot-python", type=Path, default=None, metavar="PY",
+                   help="lerobot mode: the Python of an environment with LeRobot 0.4.4 (its side venv)")
     p.add_argument("--report", required=True, type=Path, help="directory for report.json, report.md and plots")
     p.add_argument("--seed", type=int, default=100_000, help="seed of episode 0 (demonstrations use 0, 1, ...)")
     p.add_argument("--steps", type=int, default=300, help="control steps per episode (300 = 6 s)")
@@ -69,14 +75,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from vla_accel_ros.bench.eval import EvalConfig, run_eval
+    from vla_accel_ros.bench.eval import LEROBOT, EvalConfig, eval_modes, run_eval
     from vla_accel_ros.bench.eval_report import headline_text, write_report
     from vla_accel_ros.bench.report import check_report_dir
-    from vla_accel_ros.bench.replay import parse_modes
     from vla_accel_ros.cli.cache_bench_cmd import parse_overrides
 
     cfg = EvalConfig(
-        bundle=args.bundle, task=args.task, episodes=args.episodes, modes=tuple(parse_modes(args.modes)),
+        bundle=args.bundle, task=args.task, episodes=args.episodes, modes=tuple(eval_modes(args.modes)),
+        lerobot=args.lerobot, lerobot_python=args.lerobot_python,
         seed=args.seed, steps=args.steps, latency=args.latency, open_loop_episodes=args.open_loop_episodes,
         open_loop_stride=args.open_loop_stride, params=args.params, parity_check=not args.no_parity,
         num_threads=args.threads, flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
@@ -89,6 +95,11 @@ def _eval(args: argparse.Namespace) -> int:
     )  # fmt: skip
     cfg.validate()
     check_report_dir(args.report)
+    if LEROBOT in cfg.modes and cfg.lerobot is None:
+        from vla_accel_ros.models.smolvla.lerobot_export import export_lerobot
+
+        cfg.lerobot = export_lerobot(cfg.bundle, args.report / "lerobot")
+        print(f"lerobot mode: LeRobot's checkpoint of the bundle written to {cfg.lerobot}", file=sys.stderr)
     command = shlex.join(["vla-accel", "eval", *sys.argv[2:]]) if len(sys.argv) > 1 and sys.argv[1] == "eval" else ""
     result = run_eval(cfg, progress=not args.no_progress, command=command)
     if cfg.through_ros:

@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image-size", type=int, default=d.image_size, help="square image size (0: the preset's, 224)")
     p.add_argument(
         "--patch-size", type=int, default=d.patch_size,
-        help="pixels per image-token side (0: the preset's, 14); e.g. 28 at 224 px: 8 x 8 tokens per camera",
+        help="pixels per image-token side (0: the preset's); e.g. 28 at 224 px: 8 x 8 tokens per camera (smolvla: a "
+        "multiple of its 16 px patches, merged by the pixel shuffle; 64 at 512 px: 8 x 8 tokens)",
     )  # fmt: skip
     p.add_argument(
         "--conv-stem", default="", metavar="C1,C2",
@@ -61,6 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: all cores)")
     p.add_argument("--loader-threads", type=int, default=d.loader_threads,
                    help="background threads assembling the next batches (0: in the loop; -1: 2 on a GPU, 0 on the CPU)")
+    p.add_argument("--read-workers", type=int, default=d.read_workers, metavar="N",
+                   help="processes reading the bags in parallel (default 0: in this process)")
     p.add_argument("--device", default=d.device, help="cpu or cuda")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
     p.add_argument("--save-dtype", choices=("float16", "float32"), default=d.save_dtype)
@@ -72,6 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="stop at a checkpoint at this optimizer step (0: no limit); --resume continues")
     p.add_argument("--max-minutes", type=float, default=d.max_minutes,
                    help="stop at a checkpoint after this many minutes (0: no limit); --resume continues")
+    p.add_argument("--fit-minutes", type=float, default=d.fit_minutes, metavar="M",
+                   help="size the schedule to end in M minutes from the speed of the first steps (0: --epochs decides)")
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
@@ -99,7 +104,8 @@ def _train(args: argparse.Namespace) -> int:
         batch_size=args.batch, lr=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
         val_episodes=args.val_episodes, shift=args.shift, bf16=not args.fp32, seed=args.seed, threads=args.threads,
-        loader_threads=args.loader_threads, device=args.device, checkpoint_every=args.checkpoint_every,
+        loader_threads=args.loader_threads, read_workers=args.read_workers, fit_minutes=args.fit_minutes,
+        device=args.device, checkpoint_every=args.checkpoint_every,
         save_dtype=args.save_dtype, name=args.name, reasoning=args.reasoning, init_from=args.init_from,
     )  # fmt: skip
     if args.train_episodes < 0:
@@ -115,7 +121,8 @@ def _train(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     t0 = time.perf_counter()
-    episodes = read_episodes(args.data, cfg.cameras, cfg.resolved_image_size(), progress=progress)
+    size, resize = cfg.frame_rule()
+    episodes = read_episodes(args.data, cfg.cameras, size, resize=resize, workers=cfg.read_workers, progress=progress)
     if args.train_episodes:
         if not 0 < args.train_episodes <= len(episodes) - cfg.val_episodes:
             raise ConfigError(f"--train-episodes {args.train_episodes}: the bags have {len(episodes) - cfg.val_episodes} "
@@ -124,7 +131,7 @@ def _train(args: argparse.Namespace) -> int:
     frames = sum(len(e) for e in episodes)
     print(f"read {len(episodes)} episodes, {frames} frames in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     task = _task_name(episodes[0].instruction)
-    trainer = Trainer(cfg, episodes, out, task=task)
+    trainer = Trainer(cfg, episodes, out, task=task, started=t0)
     if args.resume:
         trainer.load_checkpoint()
         print(f"resumed at step {trainer.step} of {trainer.total_steps}", file=sys.stderr)

@@ -355,11 +355,16 @@ class PolicyBase:
         if layout.state_slot is not None:
             if states is None:
                 raise ObservationError(f"this {self.family} bundle needs states to train on")
-            st = self.state_norm.stats
-            mean = torch.as_tensor(st["mean"], device=states.device)
-            std = torch.as_tensor(np.maximum(st["std"], 1e-6), device=states.device)
-            full[:, layout.state_slot] = self.model.state_proj((states - mean) / std).to(full.dtype)
+            full[:, layout.state_slot] = self.model.state_proj(self.model_states(states)).to(full.dtype)
         return layout, full
+
+    def model_states(self, states: torch.Tensor) -> torch.Tensor:
+        """A batch of states [B, state_dim] in robot units -> what ``state_proj`` reads (training;
+        :meth:`_state_embedding` is the same rule for one observation)."""
+        st = self.state_norm.stats
+        mean = torch.as_tensor(st["mean"], device=states.device)
+        std = torch.as_tensor(np.maximum(st["std"], 1e-6), device=states.device)
+        return (states - mean) / std
 
     def frames(self, obs: Observation) -> Frames:
         return preprocess_frames(obs.images, self.spec.cameras, self.spec.image_size)

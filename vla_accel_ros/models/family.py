@@ -60,7 +60,9 @@ class Family:
       ``stats["action_tokens"]``; deviations then also count identical tokens);
     * ``writes_reasoning``: bundles may declare reasoning words (MEMO-VLM applies);
     * ``pipelines``: its policy pipelines decoding across frames (ActionFlow; ``policy.pipeline()``);
-    * ``trainable``: ``vla-accel train`` can train it from bags (``default_chunk_size``).
+    * ``trainable``: ``vla-accel train`` can train it from bags (``default_chunk_size``);
+    * ``state_required``: its checkpoints always read a joint state (LeRobot's policies do), so
+      a policy trained without one keeps the input and learns nothing from it.
 
     Families with random-weight demo bundles also define ``demo_spec(size, **kwargs)``; families
     whose checkpoints LeRobot saves define ``import_lerobot(policy_dir, out, **options)`` (the
@@ -76,6 +78,7 @@ class Family:
     pipelines = False
     trainable = False
     default_chunk_size = 1
+    state_required = False
 
     # -- the bundle ---------------------------------------------------------------------------
     def validate_spec(self, spec: BundleSpec) -> None:
@@ -95,6 +98,28 @@ class Family:
     def describe(self, spec: BundleSpec) -> list[str]:
         """Lines of ``vla-accel bundle inspect`` particular to the family (after the common ones)."""
         return []
+
+    def training_vision(self, spec: BundleSpec, image_size: int, patch_size: int, conv_stem: tuple[int, ...]) -> BundleSpec:
+        """``spec`` (a size preset's) with a training run's image size, token grid and conv stem
+        (0 / (): the preset's). The default: one vision patch per image token (ar, flow), the
+        tower's sizes are the bundle's."""
+        from vla_accel_ros.models.common import CONV_STEM
+
+        if not (image_size or patch_size or conv_stem):
+            return spec
+        size, patch = image_size or spec.image_size, patch_size or spec.patch_size
+        stem = {CONV_STEM: list(conv_stem)} if conv_stem else {}
+        vision = {**spec.vision, "image_size": size, "patch_size": patch, **stem}
+        return spec.replace(image_size=size, patch_size=patch, vision=vision)
+
+    def init_for_training(self, model: "nn.Module") -> None:
+        """Re-initialize what a run from scratch needs initialized otherwise than the modules'
+        own defaults (which are meant for loading pretrained weights)."""
+
+    def training_spec(self, spec: BundleSpec, out, instructions: list[str]) -> BundleSpec:
+        """The spec ``vla-accel train`` trains, from the size preset's: a family whose bundles
+        bring files besides the weights (a tokenizer) writes them into ``out`` here."""
+        return spec
 
     # -- precision ----------------------------------------------------------------------------
     def decoder_layers(self, model: "nn.Module") -> "dict[str, nn.ModuleList]":

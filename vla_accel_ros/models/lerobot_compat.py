@@ -45,12 +45,12 @@ def normalize(x: torch.Tensor, mode: str, stats: dict, eps: float, inverse: bool
     """LeRobot's NormalizerProcessorStep (and its inverse) for one feature, in float32."""
     if mode == "IDENTITY" or not stats:
         return x
-    s = {k: torch.as_tensor(np.asarray(v, dtype=np.float32)) for k, v in stats.items()}
+    s = {k: torch.as_tensor(np.asarray(v, dtype=np.float32), device=x.device) for k, v in stats.items()}
     if mode == "MEAN_STD":
         return x * s["std"] + s["mean"] if inverse else (x - s["mean"]) / (s["std"] + eps)
     lo, hi = {"MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}[mode]
     denom = s[hi] - s[lo]
-    denom = torch.where(denom == 0, torch.tensor(eps, dtype=x.dtype), denom)
+    denom = torch.where(denom == 0, torch.tensor(eps, dtype=x.dtype, device=x.device), denom)
     if mode == "MIN_MAX":
         return (x + 1) / 2 * denom + s[lo] if inverse else 2 * (x - s[lo]) / denom - 1
     return (x + 1.0) * denom / 2.0 + s[lo] if inverse else 2.0 * (x - s[lo]) / denom - 1.0
@@ -73,16 +73,26 @@ def _gripper_from_angular(x: torch.Tensor) -> torch.Tensor:
     return _rescale(_rescale(x, 0.4, 1.5, inverse=True), -0.6213, 1.4910, inverse=False)
 
 
+def _gripper_from_angular_inv(x: torch.Tensor) -> torch.Tensor:
+    return _rescale(_rescale(x, -0.6213, 1.4910, inverse=True), 0.4, 1.5, inverse=False)
+
+
 _FLIPPED, _GRIPPERS = (1, 2, 8, 9), (6, 13)
+# What each direction does to a gripper: the state into pi's space; the model's actions out to
+# ALOHA's; ALOHA's actions back into the model's (training targets, RTC's previous chunk: the
+# exact inverse of the second, which LeRobot trains with, not the state's map).
+_GRIPPER_MAPS = {"state": _gripper_to_angular, "actions_out": _gripper_from_angular, "actions_in": _gripper_from_angular_inv}
 
 
-def pi_aloha(x: torch.Tensor, *, to_pi: bool) -> torch.Tensor:
-    """LeRobot's ``adapt_to_pi_aloha``: joints 1, 2, 8, 9 flipped, the grippers mapped (state:
-    to pi's space; actions: back). ``x``: [..., 14]"""
+def pi_aloha(x: torch.Tensor, *, direction: str) -> torch.Tensor:
+    """LeRobot's ``adapt_to_pi_aloha``: joints 1, 2, 8, 9 flipped, the grippers mapped;
+    ``direction``: ``state`` (to pi's space), ``actions_out`` (the model's actions to ALOHA's),
+    ``actions_in`` (ALOHA's actions to the model's). ``x``: [..., 14]"""
+    gripper = _GRIPPER_MAPS[direction]
     x = x.clone()
     x[..., list(_FLIPPED)] *= -1
     for g in _GRIPPERS:
-        x[..., g] = _gripper_to_angular(x[..., g]) if to_pi else _gripper_from_angular(x[..., g])
+        x[..., g] = gripper(x[..., g])
     return x
 
 
@@ -129,6 +139,7 @@ class LeRobotFamily(Family):
     precision_defaults = {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"}
     precision_fallbacks = ({"expert": "fp32"}, {"lm": "fp32", "expert": "fp32"}, {c: "fp32" for c in COMPONENTS})
     heads = ("state_proj", "action_in", "time_in", "time_out", "action_out")
+    state_required = True  # LeRobot's SmolVLA and pi0 always read observation.state
 
     def decoder_layers(self, model) -> dict:
         return {"lm": model.vlm.layers, "expert": model.expert.layers}
@@ -229,10 +240,11 @@ class LeRobotPolicy(FlowPolicy):
         family's LeRobot version does)."""
         o = self.options
         stats = self.spec.norm_stats.get(feature, {})
+        direction = "state" if feature == "state" else "actions_in"
         if o.adapt_to_pi_aloha and not self.pi_aloha_on_normalized:
-            x = pi_aloha(x, to_pi=True)
+            x = pi_aloha(x, direction=direction)
         x = normalize(x, mode, stats, o.norm_eps)
-        return pi_aloha(x, to_pi=True) if o.adapt_to_pi_aloha and self.pi_aloha_on_normalized else x
+        return pi_aloha(x, direction=direction) if o.adapt_to_pi_aloha and self.pi_aloha_on_normalized else x
 
     def model_state(self, state: np.ndarray | None) -> torch.Tensor:
         """The state as state_proj reads it: normalized, mapped to pi's joint space with
@@ -240,8 +252,51 @@ class LeRobotPolicy(FlowPolicy):
         x = self._to_model(torch.from_numpy(self.checked_state(state))[None], "state", self.options.state_norm)
         return F.pad(x, (0, self.options.max_state_dim - self.spec.state_dim))
 
+    def model_states(self, states: torch.Tensor) -> torch.Tensor:
+        """A batch of states [B, state_dim] in robot units -> [B, max_state_dim] (training)."""
+        x = self._to_model(states.float(), "state", self.options.state_norm)
+        return F.pad(x, (0, self.options.max_state_dim - self.spec.state_dim))
+
     def frames(self, obs: Observation) -> Frames:
         return padded_frames(obs.images, self.spec.cameras, self.spec.image_size)
+
+    # -- training -----------------------------------------------------------------------------------
+    def training_loss(
+        self, pixels: torch.Tensor, states: torch.Tensor, instruction: str, actions: torch.Tensor, valid: torch.Tensor,
+        generator: torch.Generator | None, *, noise: torch.Tensor | None = None, time: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+        """LeRobot's flow-matching loss (0.4.4's ``SmolVLAPolicy.forward``), term for term:
+        actions normalized (and mapped with ``adapt_to_pi_aloha``), zero-padded to
+        ``max_action_dim``; x_t = t noise + (1 - t) a, target u = noise - a, with t ~ 0.999
+        Beta(1.5, 1) + 0.001 and noise ~ N(0, 1) over the padded width; the mean squared error
+        over every sample, step and padded dimension. LeRobot reads the padding flags from a key
+        its datasets never write (``actions_id_pad``), so steps past an episode's end (the last
+        action repeated, as here) count too: ``valid`` is not applied, and the loss is LeRobot's.
+
+        ``noise`` [B, H, max_action_dim] and ``time`` [B] may be given (a check against LeRobot's
+        own loss); else drawn from ``generator``.  pixels: [B, C, 3, S, S] in [-1, 1] (resized
+        with padding); states: [B, state_dim] and actions: [B, H, action_dim] in robot units."""
+        del valid  # see above: LeRobot's loss ignores it
+        o = self.options
+        layout, prefix = self.batch_prefix(pixels, states, instruction)  # [B, P, W]
+        dev = prefix.device
+        a = self._to_model(actions.float(), "action", o.action_norm)
+        a = F.pad(a, (0, o.max_action_dim - self.spec.action_dim))  # [B, H, A]
+        b = a.shape[0]
+        if noise is None:
+            noise = torch.randn(a.shape, generator=generator)
+        if time is None:
+            time = 0.999 * torch.rand(b, generator=generator) ** (1.0 / 1.5) + 0.001  # inverse CDF of Beta(1.5, 1)
+        noise, time = noise.to(dev, torch.float32), time.to(dev, torch.float32)
+        x_t = time[:, None, None] * noise + (1.0 - time[:, None, None]) * a
+        v = self.training_velocity(layout, prefix, x_t, time).float()
+        loss = (v - (noise - a)).pow(2).mean()
+        return loss, {"loss": float(loss.detach())}
+
+    def training_velocity(self, layout, prefix: torch.Tensor, x_t: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+        """The expert's velocity for a batch, differentiable: prefix [B, P, W] embeddings, x_t
+        [B, H, A] at flow times ``time`` [B] -> [B, H, A]. Families that train here define it."""
+        raise NotImplementedError(f"{self.family} bundles do not train here")
 
     # -- the actions ------------------------------------------------------------------------------
     def actions_out(self, x: torch.Tensor) -> np.ndarray:
@@ -251,10 +306,10 @@ class LeRobotPolicy(FlowPolicy):
         a = x[:, :, : s.action_dim].detach().float()
         aloha = o.adapt_to_pi_aloha
         if aloha and self.pi_aloha_on_normalized:
-            a = pi_aloha(a, to_pi=False)
+            a = pi_aloha(a, direction="actions_out")
         a = normalize(a, o.action_norm, s.norm_stats["action"], o.norm_eps, inverse=True)
         if aloha and not self.pi_aloha_on_normalized:
-            a = pi_aloha(a, to_pi=False)
+            a = pi_aloha(a, direction="actions_out")
         return a[0].numpy().astype(np.float32)
 
     def _guidance_targets(self, guidance: ChunkGuidance) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,6 @@ episodes only.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -29,15 +28,19 @@ from vla_accel_ros.core.text import words_of
 
 
 class PackedFrames:
-    """Frames [T, C, S, S, 3] uint8 held zlib-compressed, one frame (all cameras) per entry:
-    rendered scenes compress ~14x, so hundreds of episodes fit in memory, and a frame costs
-    ~0.2 ms to unpack when a batch takes it."""
+    """Frames [T, C, S, S, 3] uint8 held LZ4-compressed, one frame (all cameras) per entry:
+    rendered scenes compress ~20x, so hundreds of episodes fit in memory. LZ4 rather than zlib:
+    measured on three 512 px cameras (2.4 MB a frame), 0.6 ms to pack and 0.4 ms to unpack against
+    3.7 and 1.5 ms for zlib at level 1, for a ratio of 20 against 26; unpacking is most of a
+    batch's CPU time on a GPU run."""
 
     def __init__(self, frames: Sequence[np.ndarray]) -> None:
+        import lz4.block
+
         if not frames:
             raise BagError("an episode needs at least one frame")
         self._shape = tuple(frames[0].shape)
-        self._blobs = [zlib.compress(np.ascontiguousarray(f, np.uint8).tobytes(), 1) for f in frames]
+        self._blobs = [lz4.block.compress(np.ascontiguousarray(f, np.uint8).tobytes(), store_size=True) for f in frames]
 
     dtype = np.dtype(np.uint8)
 
@@ -49,7 +52,9 @@ class PackedFrames:
         return len(self._blobs)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        return np.frombuffer(zlib.decompress(self._blobs[int(i)]), np.uint8).reshape(self._shape)
+        import lz4.block
+
+        return np.frombuffer(lz4.block.decompress(self._blobs[int(i)]), np.uint8).reshape(self._shape)
 
 
 @dataclass
@@ -120,6 +125,8 @@ def read_episodes(
     cameras: Sequence[str],
     image_size: int,
     *,
+    resize: str = "square",
+    workers: int = 0,
     progress: bool = True,
 ) -> list[Episode]:
     """Every episode of ``bags`` with the ``cameras`` (ROS camera names) at ``image_size``.
@@ -127,12 +134,23 @@ def read_episodes(
     Episodes without recorded actions or joint states are an error: behaviour cloning needs
     both. Frames are kept at the model's resolution only (a 480x640 frame is 4x the memory),
     compressed (:class:`PackedFrames`). The actions are read at every tick, also between
-    frames (a bag rendered every few ticks), and each frame knows its tick."""
+    frames (a bag rendered every few ticks), and each frame knows its tick.
+
+    ``resize`` is the bundle's rule (``BundleSpec.image_resize``): ``square``, the observation
+    rule's own resize; ``pad``, the frames as the graph delivers them (their own size), then
+    LeRobot's resize with padding, done once here as the policy does it at run time (kept as
+    uint8). ``workers`` > 0 reads that many bags at a time in separate processes, in order."""
+    if resize not in ("square", "pad"):
+        raise ConfigError(f"resize={resize!r}: square or pad")
+    if workers > 0 and len(bags) > 1:
+        return _read_parallel(bags, cameras, image_size, resize, workers, progress)
     from tqdm import tqdm
 
     from vla_accel_ros.core.robot.config import SyncConfig
     from vla_accel_ros.io.bag_reader import BagReader
 
+    if resize == "pad":
+        from vla_accel_ros.models.lerobot_compat import padded_frames
     episodes: list[Episode] = []
     for path in bags:
         with BagReader(path) as bag:
@@ -144,7 +162,8 @@ def read_episodes(
             total = bag.topics[have[cameras[0]]].count
             bar = tqdm(total=total, desc=f"reading {Path(path).name}", unit="frame", disable=not progress, leave=False)
             parts: dict[int, dict] = {}  # segment -> lists of frames, states, action stamps
-            for sample in bag.samples(SyncConfig(cameras=tuple(cameras), image_size=image_size)):
+            sync = SyncConfig(cameras=tuple(cameras), image_size=image_size if resize == "square" else 0)
+            for sample in bag.samples(sync):
                 bar.update(1)
                 obs = sample.observation
                 if sample.action is None or obs.state is None:
@@ -152,7 +171,10 @@ def read_episodes(
                 # every episode marker starts one, even with a repeated index
                 cur = parts.setdefault(sample.segment, {"source": f"{path}#{obs.episode}", "instruction": obs.instruction,
                                                         "f": [], "s": [], "t": []})  # fmt: skip
-                cur["f"].append(np.stack([obs.images[c] for c in cameras]))  # [C, S, S, 3], resized by the rule
+                if resize == "pad":
+                    cur["f"].append(padded_frames(obs.images, tuple(cameras), image_size).raw.numpy())
+                else:
+                    cur["f"].append(np.stack([obs.images[c] for c in cameras]))  # [C, S, S, 3], resized by the rule
                 cur["s"].append(np.asarray(obs.state, np.float32))
                 cur["t"].append(sample.stamps[action_topic])
             bar.close()
@@ -169,6 +191,30 @@ def read_episodes(
     if not episodes:
         raise BagError(f"no usable frames in {', '.join(map(str, bags))}")
     return episodes
+
+
+def _read_one(args: tuple) -> list[Episode]:
+    import torch as _torch
+
+    _torch.set_num_threads(1)  # one core per reading process
+    bag, cameras, image_size, resize = args
+    return read_episodes([bag], cameras, image_size, resize=resize, progress=False)
+
+
+def _read_parallel(bags, cameras, image_size: int, resize: str, workers: int, progress: bool) -> list[Episode]:
+    """:func:`read_episodes` of each bag in its own process (spawned: a forked torch can hang
+    in OpenMP), episodes in the order of ``bags``."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tqdm import tqdm
+
+    jobs = [(str(b), tuple(cameras), image_size, resize) for b in bags]
+    out: list[Episode] = []
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        for eps in tqdm(pool.map(_read_one, jobs), total=len(jobs), desc="reading bags", unit="bag", disable=not progress):
+            out.extend(eps)
+    return out
 
 
 def _actions_by_segment(bag, segments: set[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -208,6 +254,14 @@ class Batch:
     valid: torch.Tensor  # [B, H] bool
     instruction: str
     reasoning: list[list[str]] | None = None  # per sample, the words written before <act>
+    # The random shift's offsets [B * C, 2] (dy, dx) when it is left to the device the model runs
+    # on (frames unshifted; :func:`apply_shift`), None when the frames are already shifted.
+    offsets: torch.Tensor | None = None
+
+    def device_frames(self, device) -> torch.Tensor:
+        """The frames on ``device``, shifted there if the shift was deferred."""
+        frames = self.frames.to(device)
+        return frames if self.offsets is None else apply_shift(frames, self.offsets.to(device))
 
 
 @dataclass
@@ -239,10 +293,14 @@ class ChunkDataset:
     def instruction(self) -> str:
         return self.episodes[0].instruction
 
-    def batch(self, rows: np.ndarray, *, shift: int = 0, generator: torch.Generator | None = None) -> Batch:
+    def batch(
+        self, rows: np.ndarray, *, shift: int = 0, generator: torch.Generator | None = None, defer_shift: bool = False
+    ) -> Batch:  # fmt: skip
         """The samples ``rows`` (indices into this dataset). ``shift`` > 0: random translation
         of each image by up to ``shift`` pixels (edge padding), a cheap, standard augmentation
-        for image policies trained on few demonstrations."""
+        for image policies trained on few demonstrations; ``defer_shift``: only its offsets are
+        drawn here, :meth:`Batch.device_frames` applies them where the model runs (on a GPU,
+        a gather there instead of most of a batch's CPU time at 384 px)."""
         h = self.chunk_size
         frames, states, actions, valid, reasoning = [], [], [], [], []
         for r in rows:
@@ -261,9 +319,11 @@ class ChunkDataset:
             if self.reasoning is not None:
                 reasoning.append(words_of(self.reasoning.text(tick, e.states[t])))
         raw = torch.from_numpy(np.stack(frames))  # [B, C, S, S, 3] uint8
-        if shift > 0:
-            raw = random_shift(raw, shift, generator)
+        offsets = shift_offsets(raw.shape[0] * raw.shape[1], shift, generator) if shift > 0 else None
+        if offsets is not None and not defer_shift:
+            raw, offsets = _shift_by_slices(raw, offsets), None
         return Batch(
+            offsets=offsets,
             frames=raw,
             states=torch.from_numpy(np.stack(states)),
             actions=torch.from_numpy(np.stack(actions)),
@@ -281,16 +341,39 @@ class ChunkDataset:
             yield np.arange(i, min(len(self), i + batch_size))
 
 
+def shift_offsets(n: int, shift: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Random (dy, dx) in [-shift, shift] for ``n`` images.  -> [n, 2] int64"""
+    return torch.randint(0, 2 * shift + 1, (n, 2), generator=generator) - shift
+
+
 def random_shift(frames: torch.Tensor, shift: int, generator: torch.Generator | None) -> torch.Tensor:
     """Translate each image of ``frames`` [B, C, S, S, 3] uint8 by integer offsets in
-    [-shift, shift] with the edges replicated (the crop of an edge-padded image), by row and
-    column slices of the uint8 frames. Measured on 32 two-camera samples at 224 px, one thread of
-    a loaded 2-core machine, twice: 23-25 ms, against 220-290 ms for padding and cropping the
-    float images one by one and 270 ms for one gather of clamped indices (its index tensors are
-    as large as the images). On a GPU run this assembly was most of a step."""
+    [-shift, shift] with the edges replicated (the crop of an edge-padded image)."""
+    b, c = frames.shape[:2]
+    return _shift_by_slices(frames, shift_offsets(b * c, shift, generator))
+
+
+def apply_shift(frames: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`random_shift` with given offsets [B * C, 2], as one gather of clamped indices
+    (output pixel (r, c) is input (r + dy, c + dx), clamped to the image): the same pixels as
+    the slices, for a device where one gather is cheap."""
     b, c, s = frames.shape[:3]
     flat = frames.reshape(b * c, s, s, frames.shape[-1])
-    off = (torch.randint(0, 2 * shift + 1, (b * c, 2), generator=generator) - shift).tolist()
+    ar = torch.arange(s, device=frames.device)
+    rows = (ar[None, :] + offsets[:, :1]).clamp_(0, s - 1)  # [N, S]
+    cols = (ar[None, :] + offsets[:, 1:]).clamp_(0, s - 1)
+    n = torch.arange(b * c, device=frames.device)[:, None, None]
+    return flat[n, rows[:, :, None], cols[:, None, :]].reshape(frames.shape)
+
+
+def _shift_by_slices(frames: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The shift by row and column slices of the uint8 frames, on the CPU. Measured on 32
+    two-camera samples at 224 px, one thread of a loaded 2-core machine, twice: 23-25 ms, against
+    220-290 ms for padding and cropping the float images one by one and 270 ms for one gather of
+    clamped indices (its index tensors are as large as the images)."""
+    b, c, s = frames.shape[:3]
+    flat = frames.reshape(b * c, s, s, frames.shape[-1])
+    off = offsets.tolist()
     out = torch.empty_like(flat)
     for img, dst, (dy, dx) in zip(flat, out, off):
         rows = img.index_select(0, (torch.arange(s) + dy).clamp_(0, s - 1))  # output row r is row r + dy

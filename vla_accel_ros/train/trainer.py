@@ -37,12 +37,13 @@ from vla_accel_ros.train.data import Batch, ChunkDataset, DataStats, Episode, co
 CHECKPOINT_DIR = "checkpoint"
 LOG_FILE = "train_log.jsonl"
 # Settings a resumed run may change (how long and where it runs, not what it learns).
-RUN_SETTINGS = ("epochs", "threads", "loader_threads", "device", "checkpoint_every", "max_steps", "max_minutes")
+RUN_SETTINGS = ("epochs", "threads", "loader_threads", "read_workers", "device", "checkpoint_every", "max_steps", "max_minutes",
+                "fit_minutes")
 
 
 @dataclass(frozen=True)
 class TrainConfig(Config):
-    family: str = param("flow", doc="policy family (one that trains from bags: ar, flow)")
+    family: str = param("flow", doc="policy family (one that trains from bags: ar, flow, smolvla)")
     size: str = param("mini", doc="model size preset", choices=("tiny", "mini", "small"))
     cameras: tuple[str, ...] = param(("cam_high",), doc="ROS camera names the policy sees, in token order")
     image_size: int = param(0, doc="square image size of the vision tower (0: the size preset's, 224)", range=(0, 2048))
@@ -57,7 +58,9 @@ class TrainConfig(Config):
     chunk_size: int = param(0, doc="actions per inference (0: the family's default: ar 10, flow 50)", range=(0, 1024))
     state: bool = param(
         True, doc="feed the joint state to the model (false: images and instruction only; imitating a scripted "
-        "expert, a policy can predict much of the next actions from where the arm is, without looking at the scene)",
+        "expert, a policy can predict much of the next actions from where the arm is, without looking at the scene). "
+        "A family whose checkpoints always read a state (smolvla: LeRobot's) keeps the input with its projection "
+        "held at zero: the state token is a learned constant",
     )  # fmt: skip
     state_dropout: float = param(
         0.0, doc="fraction of training samples whose joint state is replaced by the mean state (0: none): the policy "
@@ -82,6 +85,10 @@ class TrainConfig(Config):
         "-1: 2 on a GPU, 0 on the CPU, where a batch is a few ms of a ~1 s step and a thread only competes)",
         range=(-1, 64),
     )  # fmt: skip
+    read_workers: int = param(
+        0, doc="processes reading the bags in parallel (0: in this process); decoding and resizing the frames of "
+        "hundreds of multi-camera episodes is minutes on one core", range=(0, 256),
+    )  # fmt: skip
     device: str = param("cpu", doc="torch device, e.g. cpu or cuda")
     checkpoint_every: int = param(500, doc="also checkpoint every N steps (0: only at epoch ends)", range=(0, 10_000_000))
     lm_type: str = param("llama", doc="decoder family of the language model", choices=("llama", "qwen2"))
@@ -98,6 +105,11 @@ class TrainConfig(Config):
         0.0, doc="stop after this many minutes of training, at a checkpoint (0: run every epoch); --resume goes on",
         range=(0.0, 1e7),
     )  # fmt: skip
+    fit_minutes: float = param(
+        0.0, doc="size the schedule to end in this many minutes (0: --epochs decides): the first steps are timed and "
+        "the run takes as many steps as fit, its cosine ending there (a time budget on a lent GPU). The steps chosen "
+        "are logged and kept in the checkpoint", range=(0.0, 1e7),
+    )  # fmt: skip
 
     def validate(self) -> None:
         try:
@@ -111,26 +123,24 @@ class TrainConfig(Config):
             raise ConfigError(f"TrainConfig.reasoning={self.reasoning!r}: the {self.family} family writes no reasoning")
         if self.state_dropout and not self.state:
             raise ConfigError(f"TrainConfig.state_dropout={self.state_dropout} needs the state input (state=True)")
-        if self.conv_stem:  # before hours of reading bags: a stem must divide the patch
+        if family.state_required and self.state_dropout:
+            raise ConfigError(f"TrainConfig.state_dropout: not for the {self.family} family (train with or without the state)")
+        if self.conv_stem or self.image_size or self.patch_size:  # before hours of reading bags: a stem must divide the patch
             from vla_accel_ros.models.factory import demo_spec
 
             family.validate_spec(self.vision_of(demo_spec(self.family, self.size)))
 
     def vision_of(self, spec: BundleSpec) -> BundleSpec:
         """``spec`` (a size preset's) with this run's image size, token grid and conv stem."""
-        if not (self.image_size or self.patch_size or self.conv_stem):
-            return spec
-        # One vision patch per image token (ar, flow): the tower's sizes are the bundle's.
-        size, patch = self.image_size or spec.image_size, self.patch_size or spec.patch_size
-        stem = {CONV_STEM: list(self.conv_stem)} if self.conv_stem else {}
-        vision = {**spec.vision, "image_size": size, "patch_size": patch, **stem}
-        return spec.replace(image_size=size, patch_size=patch, vision=vision)
+        return get_family(self.family).training_vision(spec, self.image_size, self.patch_size, self.conv_stem)
 
-    def resolved_image_size(self) -> int:
-        """The image size frames are read at: --image-size, else the size preset's (models.demo)."""
+    def frame_rule(self) -> tuple[int, str]:
+        """How frames are read for this run: (image size, ``square`` | ``pad``), the bundle's rule
+        (--image-size, else the size preset's)."""
         from vla_accel_ros.models.factory import demo_spec
 
-        return self.image_size or demo_spec(self.family, self.size).image_size
+        spec = self.vision_of(demo_spec(self.family, self.size))
+        return spec.image_size, spec.image_resize
 
     def resolved_chunk(self) -> int:
         return self.chunk_size or get_family(self.family).default_chunk_size
@@ -159,8 +169,17 @@ def _step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
+# --fit-minutes times steps FIT_SKIP..FIT_PROBE (the first ones pay for warm-up: allocator, kernels).
+FIT_SKIP, FIT_PROBE = 10, 40
+
+
 class Trainer:
-    def __init__(self, cfg: TrainConfig, episodes: list[Episode], out: Path, *, task: str = "") -> None:
+    def __init__(
+        self, cfg: TrainConfig, episodes: list[Episode], out: Path, *, task: str = "", started: float | None = None
+    ) -> None:  # fmt: skip
+        """``started``: ``time.perf_counter()`` when the run began (reading the bags included),
+        what ``fit_minutes`` counts from (default: now)."""
+        self.started = time.perf_counter() if started is None else started
         from vla_accel_ros.core.policy_config import PolicyConfig
         from vla_accel_ros.models.factory import build_model, build_policy, demo_spec
 
@@ -183,7 +202,8 @@ class Trainer:
         # What --state-dropout puts in place of a dropped state (once, not per step).
         self._state_mean = torch.as_tensor(self.stats.state["mean"], dtype=torch.float32) if self.stats.state else None
         instruction = self.train_set.instruction
-        state_dim = int(train_eps[0].states.shape[1]) if cfg.state else 0
+        family = get_family(cfg.family)
+        state_dim = int(train_eps[0].states.shape[1]) if cfg.state or family.state_required else 0
         name = cfg.name or f"{task or 'policy'}-{cfg.family}"
         self.spec = demo_spec(
             cfg.family, cfg.size, cameras=cfg.cameras, action_dim=int(train_eps[0].actions.shape[1]),
@@ -193,16 +213,23 @@ class Trainer:
             # headroom over the template's longest text: a policy may ramble before <act>
             max_reasoning_tokens=template.max_tokens() + 8 if template else 0,
         )  # fmt: skip
-        self.spec = cfg.vision_of(self.spec)
+        self.spec = family.training_spec(cfg.vision_of(self.spec), self.out, sorted({e.instruction for e in episodes}))
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         model = build_model(self.spec)
+        family.init_for_training(model)
         if cfg.init_from:
             self._init_from(model, cfg.init_from)
         # The inference policy owns the layout; training runs its model in train mode.
-        self.policy = build_policy(self.spec, model, PolicyConfig(parity_check=False))
+        self.policy = build_policy(self.spec, model, PolicyConfig(parity_check=False), bundle_path=str(self.out))
         self.model = model.train().requires_grad_(True).to(self.device)
+        if not cfg.state and family.state_required:
+            # The input stays (the family's checkpoints read it); a zero projection that never
+            # trains makes the state token the same whatever the state.
+            with torch.no_grad():
+                model.state_proj.weight.zero_()
+            model.state_proj.weight.requires_grad_(False)
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
         other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
         self.opt = torch.optim.AdamW(
@@ -211,6 +238,7 @@ class Trainer:
         )  # fmt: skip
         self.steps_per_epoch = max(1, len(self.train_set) // cfg.batch_size)
         self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.fitted = False  # fit_minutes has chosen total_steps
         self.step = 0
         self.history: list[dict] = []
 
@@ -243,7 +271,8 @@ class Trainer:
                 else:
                     scalars[f"{pid}.{k}"] = v
         save_file(tensors, str(tmp / "optimizer.safetensors"))
-        meta = {"step": self.step, "config": self.cfg.to_dict(), "scalars": scalars, "history": self.history,
+        meta = {"step": self.step, "total_steps": self.total_steps, "fitted": self.fitted,
+                "config": self.cfg.to_dict(), "scalars": scalars, "history": self.history,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]}  # fmt: skip
         (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
@@ -281,6 +310,8 @@ class Trainer:
         self.opt.load_state_dict({"state": state, "param_groups": groups})
         self.step = int(meta["step"])
         self.history = list(meta["history"])
+        if meta.get("fitted") and saved.epochs == self.cfg.epochs:  # the schedule --fit-minutes chose goes on
+            self.total_steps, self.fitted = int(meta["total_steps"]), True
         return True
 
     # -- the loop ---------------------------------------------------------------------------------------
@@ -295,7 +326,7 @@ class Trainer:
             states = torch.where(drop[:, None], self._state_mean, states)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             return self.policy.training_loss(
-                siglip_pixels(batch.frames.to(dev)), states.to(dev), batch.instruction,
+                siglip_pixels(batch.device_frames(dev)), states.to(dev), batch.instruction,
                 batch.actions.to(dev), batch.valid.to(dev), generator, **extra,
             )  # fmt: skip
 
@@ -337,14 +368,26 @@ class Trainer:
         log = open(self.out / LOG_FILE, "a")
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", file=sys.stderr,
                    disable=not progress, dynamic_ncols=True, mininterval=2.0)  # fmt: skip
+        probe = 0.0
         try:
-            for epoch in range(first_epoch, cfg.epochs):
+            epoch = first_epoch
+            while epoch < -(-self.total_steps // self.steps_per_epoch):
                 losses: list[float] = []
                 for gen, batch in self._epoch_batches(epoch, self.step - epoch * self.steps_per_epoch):
+                    if self.step >= self.total_steps:  # a fitted schedule may end inside an epoch
+                        break
                     metrics = self.train_step(batch, gen, lr_at(cfg, self.step, self.total_steps))
                     losses.append(metrics["loss"])
                     bar.update(1)
                     bar.set_postfix(epoch=epoch + 1, loss=f"{np.mean(losses[-50:]):.4f}")
+                    if cfg.fit_minutes and not self.fitted:
+                        if self.step == FIT_SKIP:
+                            probe = time.perf_counter()
+                        elif self.step >= FIT_PROBE:
+                            self._fit((time.perf_counter() - probe) / (self.step - FIT_SKIP))
+                            bar.total = self.total_steps
+                            bar.write(f"--fit-minutes {cfg.fit_minutes:g}: {self.total_steps} steps "
+                                      f"({self.total_steps * cfg.batch_size} samples)", file=sys.stderr)  # fmt: skip
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save_checkpoint()
                     limit = self._limit_reached(t0)
@@ -359,9 +402,11 @@ class Trainer:
                 self.history.append(entry)
                 log.write(json.dumps(entry) + "\n")
                 log.flush()
-                bar.write(f"epoch {epoch + 1}/{cfg.epochs}: train loss {entry['train_loss']:.4f}"
-                          + (f", val loss {val:.4f}" if val is not None else ""), file=sys.stderr)  # fmt: skip
+                bar.write(f"epoch {epoch + 1}/{-(-self.total_steps // self.steps_per_epoch)}: train loss "
+                          f"{entry['train_loss'] or float('nan'):.4f}" + (f", val loss {val:.4f}" if val is not None else ""),
+                          file=sys.stderr)  # fmt: skip
                 self.save_checkpoint()
+                epoch += 1
         finally:
             bar.close()
             log.close()
@@ -379,7 +424,8 @@ class Trainer:
         def make(k: int) -> tuple[torch.Generator, Batch]:
             gen = _step_generator(cfg.seed, epoch * self.steps_per_epoch + k)
             rows = order[k * cfg.batch_size : (k + 1) * cfg.batch_size]
-            return gen, self.train_set.batch(rows, shift=cfg.shift, generator=gen)
+            # The shift's gather runs on a GPU (the same pixels), on the CPU by slices.
+            return gen, self.train_set.batch(rows, shift=cfg.shift, generator=gen, defer_shift=self.device.type != "cpu")
 
         steps = range(start, self.steps_per_epoch)
         threads = cfg.loader_threads if cfg.loader_threads >= 0 else (0 if self.device.type == "cpu" else 2)
@@ -396,6 +442,17 @@ class Trainer:
             while pending:
                 yield pending.popleft().result()
 
+    def _fit(self, step_seconds: float) -> None:
+        """Choose ``total_steps`` so that the run ends ``fit_minutes`` after it started, at the
+        measured seconds per step (a 3% margin and 15 s for the validations and the last save)."""
+        left = self.cfg.fit_minutes * 60.0 * 0.97 - 15.0 - (time.perf_counter() - self.started)
+        self.total_steps = max(self.step + 1, self.step + int(left / max(step_seconds, 1e-6)))
+        self.fitted = True
+        entry = {"fit_minutes": self.cfg.fit_minutes, "seconds_per_step": round(step_seconds, 4), "total_steps": self.total_steps}
+        self.history.append(entry)
+        with open(self.out / LOG_FILE, "a") as log:
+            log.write(json.dumps(entry) + "\n")
+
     def _limit_reached(self, t0: float) -> str:
         """Why this run stops here ('' : it goes on): --max-steps or --max-minutes."""
         cfg = self.cfg
@@ -408,7 +465,7 @@ class Trainer:
     def _result(self, t0: float) -> TrainResult:
         return TrainResult(
             bundle=self.out, steps=self.step, epochs=self.cfg.epochs, seconds=time.perf_counter() - t0,
-            train_samples=self.step * self.cfg.batch_size, val_loss=self.history[-1]["val_loss"] if self.history else None,
+            train_samples=self.step * self.cfg.batch_size, val_loss=next((h["val_loss"] for h in reversed(self.history) if "val_loss" in h), None),
             history=self.history,
         )  # fmt: skip
 

@@ -136,6 +136,37 @@ class SmolVLAVision(nn.Module):
         return self.connector.modality_projection(shuffled[tokens]) * self.embed_scale
 
 
+@torch.no_grad()
+def siglip_init_(vis: SmolVLAVision) -> None:
+    """SigLIP's own initialization of SmolVLM's vision tower (lecun normal for the patch
+    embedding and the connector, xavier uniform for attention and MLP, position embeddings of
+    std 1 / sqrt(width), layer norms at identity), for a tower trained from scratch. transformers
+    initializes SmolVLM's tower with N(0, 0.02) everywhere, meant for loading pretrained weights:
+    its attention and MLP maps start ~3x smaller than SigLIP's and a tower trained from it did not
+    find a few-pixel cube (docs/policy-experiments.md, "A trained SmolVLA")."""
+    from torch.nn import init
+
+    def lecun_(w: torch.Tensor) -> None:
+        init.trunc_normal_(w, std=(1.0 / w[0].numel()) ** 0.5)
+
+    emb = vis.vision.embeddings
+    lecun_(emb.patch_embedding.weight)
+    init.zeros_(emb.patch_embedding.bias)
+    init.normal_(emb.position_embedding.weight, std=emb.position_embedding.weight.shape[1] ** -0.5)
+    for layer in vis.vision.encoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj):
+            init.xavier_uniform_(lin.weight)
+            init.zeros_(lin.bias)
+        for lin in (mlp.fc1, mlp.fc2):
+            init.xavier_uniform_(lin.weight)
+            init.normal_(lin.bias, std=1e-6)
+    for norm in [m for m in vis.vision.modules() if isinstance(m, nn.LayerNorm)]:
+        init.ones_(norm.weight)
+        init.zeros_(norm.bias)
+    lecun_(vis.connector.modality_projection.proj.weight)
+
+
 def get_intermediate_size(hidden: int, ffn_multiplier: int = 4, multiple_of: int = 256) -> int:
     """LeRobot's expert MLP width for a given expert width (SwiGLU's 2/3, rounded up to 256)."""
     h = int(ffn_multiplier * int(2 * hidden / 3))
@@ -244,8 +275,11 @@ class SmolVLAPolicy(LeRobotPolicy):
     def static_steps(self, layout: PrefixLayout) -> dict:
         return {"prefill": (self.vlm_engine, layout.all_slots())}
 
-    def training_loss(self, *args, **kwargs):
-        raise ConfigError("smolvla bundles are imported from LeRobot checkpoints; train them with LeRobot")
+    def training_velocity(self, layout: PrefixLayout, prefix: torch.Tensor, x_t: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+        """LeRobot trains prefix and suffix in one pass whose masks keep the prefix from seeing
+        the actions: the same numbers as the VLM's prefix K/V first, then the expert over them,
+        which is the path :meth:`reference_infer` takes (one copy of the expert's rule)."""
+        return self.model.action_out(self._reference_expert(self.model.suffix_embeddings(x_t, time), self._prefix_kv(layout, prefix), layout.length))
 
     # -- the plain reference: parity gate and benchmark baseline ---------------------------------
     def _prefix_mask(self, layout: PrefixLayout) -> torch.Tensor:
@@ -266,9 +300,7 @@ class SmolVLAPolicy(LeRobotPolicy):
         slots, no valid flags, no plan (what the engine path is checked against)."""
         timer, layout, full, x = self.reference_prefix(obs, noise)
         with timer.stage("prefill"):
-            mask = self._prefix_mask(layout)[None, None]
-            pkv = self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True).past_key_values
-            prefix_kv = [(pkv.layers[i].keys, pkv.layers[i].values) for i in range(self.vlm_stack.num_layers)]
+            prefix_kv = self._prefix_kv(layout, full[None])
         with timer.stage("denoise"):
             steps = self.num_steps
             dt = 1.0 / steps
@@ -283,40 +315,49 @@ class SmolVLAPolicy(LeRobotPolicy):
             timings_ms=timer.finish(), stats={"mode": "transformers"},
         )  # fmt: skip
 
+    def _prefix_kv(self, layout: PrefixLayout, full: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """transformers' own VLM forward over prefixes [B, P, W] (a 4-D mask, its DynamicCache)
+        -> per layer (keys, values) [B, Hkv, P, D], the keys rotated."""
+        mask = self._prefix_mask(layout).to(full.device)[None, None].expand(full.shape[0], 1, -1, -1)
+        pkv = self.model.vlm(inputs_embeds=full, attention_mask=mask, use_cache=True).past_key_values
+        return [(pkv.layers[i].keys, pkv.layers[i].values) for i in range(self.vlm_stack.num_layers)]
+
     def _reference_expert(self, x: torch.Tensor, prefix_kv: list, p: int) -> torch.Tensor:
+        """The expert written out with dense masks over explicit K/V: x [B, H, W] -> [B, H, W]."""
         expert = self.model.expert
-        _, h, _ = x.shape
+        b, h, _ = x.shape
+        dev = x.device
         eng = self.expert_engine
         Hq, Hkv, D = eng.num_heads, eng.num_kv_heads, eng.head_dim
-        pos_self = torch.arange(p, p + h)[None]
-        pos_cross = torch.arange(h)[None]
-        causal = torch.ones(h, h, dtype=torch.bool).tril()
+        pos_self = torch.arange(p, p + h, device=dev)[None].expand(b, h)
+        pos_cross = torch.arange(h, device=dev)[None].expand(b, h)
+        causal = torch.ones(h, h, dtype=torch.bool, device=dev).tril()
         for step in self.options.layer_plan(self.vlm_stack.num_layers):
             if step.kind == "skip":
                 continue
             layer = expert.layers[step.expert_layer]
             attn = layer.self_attn
-            pk, pv = prefix_kv[step.vlm_layer]  # [1, Hkv, P, D], rotated keys
+            pk, pv = prefix_kv[step.vlm_layer]  # [B, Hkv, P, D], rotated keys
             hs = layer.input_layernorm(x)
-            q = attn.q_proj(hs).view(1, h, Hq, D).transpose(1, 2)
+            q = attn.q_proj(hs).view(b, h, Hq, D).transpose(1, 2)
             if step.kind == "self":
                 cos, sin = expert.rotary_emb(hs, pos_self)
-                k = attn.k_proj(hs).view(1, h, Hkv, D).transpose(1, 2)
-                v = attn.v_proj(hs).view(1, h, Hkv, D).transpose(1, 2)
+                k = attn.k_proj(hs).view(b, h, Hkv, D).transpose(1, 2)
+                v = attn.v_proj(hs).view(b, h, Hkv, D).transpose(1, 2)
                 q, k = eng.apply_rope(q, k, cos, sin)
-                keys, values = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
-                mask = torch.cat([torch.ones(h, p, dtype=torch.bool), causal], 1)
+                keys, values = torch.cat([pk.to(k.dtype), k], 2), torch.cat([pv.to(v.dtype), v], 2)
+                mask = torch.cat([torch.ones(h, p, dtype=torch.bool, device=dev), causal], 1)
             else:
                 cos, sin = expert.rotary_emb(hs, pos_cross)
                 q, _ = eng.apply_rope(q, q, cos, sin)
-                flat = lambda t: t.transpose(1, 2).reshape(1, p, -1)  # noqa: E731 - [1, P, Hkv*D], head-major
-                keys = attn.k_proj(flat(pk)).view(1, p, Hkv, D).transpose(1, 2)
-                values = attn.v_proj(flat(pv)).view(1, p, Hkv, D).transpose(1, 2)
-                mask = torch.ones(h, p, dtype=torch.bool)
+                flat = lambda t: t.transpose(1, 2).reshape(b, p, -1)  # noqa: E731 - [B, P, Hkv*D], head-major
+                keys = attn.k_proj(flat(pk)).view(b, p, Hkv, D).transpose(1, 2)
+                values = attn.v_proj(flat(pv)).view(b, p, Hkv, D).transpose(1, 2)
+                mask = torch.ones(h, p, dtype=torch.bool, device=dev)
             keys, values = keys.repeat_interleave(Hq // Hkv, 1), values.repeat_interleave(Hq // Hkv, 1)
-            scores = (q @ keys.transpose(-1, -2)) * eng.scaling
+            scores = (q @ keys.transpose(-1, -2).to(q.dtype)) * eng.scaling
             probs = scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1)
-            o = (probs @ values).transpose(1, 2).reshape(1, h, Hq * D)
+            o = (probs @ values.to(probs.dtype)).transpose(1, 2).reshape(b, h, Hq * D)
             x = x + attn.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return expert.norm(x)
@@ -369,12 +410,19 @@ class SmolVLAPolicy(LeRobotPolicy):
 
 
 # -- the plug-in -----------------------------------------------------------------------------------
-# Random-weight demo sizes (tests and CPU benchmarks without a checkpoint). ``tiny`` shrinks the
-# image (128 px, 2 x 2 patches per token: 16 tokens per camera) to keep tests fast; ``small``
-# keeps SmolVLA's 512 px, 16 px patches and 4 x 4 pixel shuffle (64 tokens per camera).
+# Sizes of random-weight demo bundles and of policies trained here. ``tiny`` shrinks the image
+# (128 px, 2 x 2 patches per token: 16 tokens per camera) to keep tests fast; ``mini`` is the
+# trained transfer_cube policy's: 384 px, where the cube of the top view is ~6 px wide (at 256 px,
+# ~4 px, a tower trained from scratch did not find it: docs/policy-experiments.md), 16 px patches,
+# 3 x 3 shuffle (64 tokens per camera), 8.3 M parameters, vision and the VLM prefix most of a
+# chunk on a CPU as at full size; ``small`` keeps SmolVLA's 512 px, 16 px patches and 4 x 4 pixel
+# shuffle (64 tokens per camera).
 _DEMO = {
     "tiny": dict(image=128, patch=16, scale=2, vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
                  lm=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+                 vocab=1024),
+    "mini": dict(image=384, patch=16, scale=3, vision=dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3),
+                 lm=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
                  vocab=1024),
     "small": dict(image=512, patch=16, scale=4, vision=dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6),
                   lm=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=9, num_key_value_heads=3, head_dim=64),
@@ -383,9 +431,12 @@ _DEMO = {
 
 
 class SmolVLAFamily(LeRobotFamily):
-    """``smolvla`` bundles: LeRobot SmolVLA checkpoints (``vla-accel bundle import --lerobot``)."""
+    """``smolvla`` bundles: LeRobot SmolVLA checkpoints (``vla-accel bundle import --lerobot``),
+    and SmolVLA-architecture policies trained here (``vla-accel train --family smolvla``)."""
 
     name = "smolvla"
+    trainable = True
+    default_chunk_size = 50
     # Vision is most of a SmolVLA chunk (SigLIP at 512 px, 1,024 patches per camera): its linear
     # layers in int8 (VNNI) are the largest saving measured on the full-size model (docs/models.md,
     # "SmolVLA against LeRobot, side by side"); the gate takes the vision tower back to bf16 where a bundle does
@@ -500,6 +551,38 @@ class SmolVLAFamily(LeRobotFamily):
         out["state"] = 2.0 * o.max_state_dim * d
         return out
 
+
+    def training_vision(self, spec: BundleSpec, image_size: int, patch_size: int, conv_stem: tuple[int, ...]) -> BundleSpec:
+        """SmolVLM's tower as LeRobot builds it: its vision patches stay (16 px); ``image_size``
+        sets LeRobot's resize_imgs_with_padding and ``patch_size`` an image token's side, a
+        block of scale_factor x scale_factor patches merged by the pixel shuffle."""
+        if conv_stem:
+            raise ConfigError("TrainConfig.conv_stem: a smolvla policy keeps SmolVLM's vision tower so that LeRobot "
+                              "runs it (no stem)")  # fmt: skip
+        if not (image_size or patch_size):
+            return spec
+        size, block, vp = image_size or spec.image_size, patch_size or spec.patch_size, int(spec.vision["patch_size"])
+        if block % vp or size % block:
+            raise ConfigError(
+                f"TrainConfig.patch_size={block} must be a multiple of SmolVLM's {vp} px patches and image_size={size} a "
+                f"multiple of it (whole tokens of scale_factor x scale_factor patches)"
+            )
+        vision = {**spec.vision, "image_size": size, "scale_factor": block // vp}
+        return spec.replace(image_size=size, patch_size=block, vision=vision)
+
+    def init_for_training(self, model: SmolVLAModel) -> None:
+        siglip_init_(model.vis)
+
+    def training_spec(self, spec: BundleSpec, out, instructions: list[str]) -> BundleSpec:
+        """A policy trained here brings its own tokenizer (SmolVLM's cannot be downloaded, and
+        LeRobot loads this one from the exported SmolVLM directory): written into ``out``."""
+        from pathlib import Path
+
+        from vla_accel_ros.core.bundle import TOKENIZER_DIR
+        from vla_accel_ros.models.smolvla.tokenizer import write_tokenizer
+
+        write_tokenizer(Path(out) / TOKENIZER_DIR, instructions, int(spec.lm["vocab_size"]))
+        return spec.replace(tokenizer="bundle", text_vocab=int(spec.lm["vocab_size"]))
 
     def import_lerobot(self, policy_dir, out, **kwargs):
         from vla_accel_ros.models.smolvla.lerobot_import import import_lerobot
