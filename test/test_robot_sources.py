@@ -36,13 +36,16 @@ def test_who_may_publish_a_robots_sensor_topic(topic, own, publisher, accept, ex
 
 def test_a_refusal_names_the_topic_and_every_unexpected_publisher():
     pubs = [Publisher("synthetic_sensors_node", "/r1"), Publisher("synthetic_sensors_node", "/r2"), Publisher(UNKNOWN_NAME, UNKNOWN_NAMESPACE)]
-    why = refusal(JS, "/r1", pubs)
+    reason, why = refusal(JS, "/r1", pubs)
+    assert reason == "unexpected_publisher"
     assert why.startswith(f"{JS} has an unexpected publisher: /r2/synthetic_sensors_node (in namespace /r2")
     assert "an unidentified node (its node is not identified yet)" in why and "/r1/synthetic" not in why
-    assert refusal(JS, "/r1", pubs[:1]) == ""
-    # A message with no publisher listed has a sender the graph does not know yet; diagnostics
-    # (arrived=False) do not call a silent topic a problem.
-    assert "not identified" in refusal(JS, "/r1", []) and refusal(JS, "/r1", [], arrived=False) == ""
+    assert refusal(JS, "/r1", pubs[:1]) == ("", "")
+    # Discovery under way (a publisher without its node, or none listed while a message arrived)
+    # is a reason of its own; diagnostics (arrived=False) do not call a silent topic a problem.
+    assert refusal(JS, "/r1", [pubs[0], pubs[2]])[0] == "unidentified_publisher"
+    reason, why = refusal(JS, "/r1", [])
+    assert reason == "unidentified_publisher" and "not identified" in why and refusal(JS, "/r1", [], arrived=False) == ("", "")
 
 
 def test_accept_publishers_must_be_absolute_namespaces():

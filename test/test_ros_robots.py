@@ -44,6 +44,7 @@ import helpers  # noqa: E402  (test/helpers.py)
 
 TIMEOUT = 60.0
 RATES = {"r1": 50.0, "r2": 25.0}  # scheduler.control_rate_hz: the shipped file's, and r2's own file's
+JS = "/r1/follower_left/joint_states"
 SHARED = ("/diagnostics", "/rosout", "/parameter_events")  # one per domain by design (ROS's own, and named statuses)
 
 
@@ -220,7 +221,7 @@ def test_a_stray_publisher_from_the_other_namespace_is_refused_and_shown(robots)
     its names. Once the stray node is gone, r1 takes its inputs again and infers."""
     probe = robots["probe"]
     stray = Node("stray_driver", namespace="r2", context=probe.context)
-    js = stray.create_publisher(JointState, "/r1/follower_left/joint_states", qos.RELIABLE)
+    js = stray.create_publisher(JointState, JS, qos.RELIABLE)
     cam = stray.create_publisher(Image, "/r1/cam_high/camera/color/image_rect_raw", qos.RELIABLE)
     names = probe.create_publisher(JointState, "/r1/follower_right/joint_states", qos.RELIABLE)
     frame = np.zeros((224, 224, 3), np.uint8)
@@ -232,14 +233,15 @@ def test_a_stray_publisher_from_the_other_namespace_is_refused_and_shown(robots)
             names.publish(JointState(header=header(now), name=["r2_waist"], position=[0.0]))
             time.sleep(0.05)
             ctl, camera = probe.diag("r1", CONTROLLER, "control"), probe.diag("r1", CAMERA, "cameras")
+            policy = probe.diag("r1", POLICY, "policy")
             return (ctl[0] == 2 and "/r2/stray_driver" in ctl[1] and camera[0] == 2 and "/r2/stray_driver" in camera[1]
+                    and policy[0] == 2 and f"{JS} has an unexpected publisher: /r2/stray_driver (in namespace /r2" in policy[1]
                     and int(ctl[2].get("dropped unexpected_publisher", 0)) > 0
                     and int(ctl[2].get("dropped unexpected_joint_names", 0)) > 0
+                    and int(policy[2].get("dropped unexpected_publisher", 0)) > 0
                     and int(camera[2].get("dropped unexpected_publisher", 0)) > 0)  # fmt: skip
 
         helpers.wait_for(shown, TIMEOUT, "r1 to refuse the stray publisher and show it on /diagnostics")
-        level, message, _ = probe.diag("r1", POLICY, "policy")
-        assert level == 2 and "/r1/follower_left/joint_states has an unexpected publisher: /r2/stray_driver" in message
         for node, component in ((CAMERA, "cameras"), (POLICY, "policy"), (CONTROLLER, "control")):
             assert "stray_driver" not in probe.diag("r2", node, component)[1]
     finally:

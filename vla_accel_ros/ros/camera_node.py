@@ -105,9 +105,9 @@ class CameraNode(Node):
         if why:
             self.drops.drop("future_stamp", f"{camera}: {why}")
             return
-        why = self.sources.refusal(self._resolved[camera])  # another robot's frames are never assembled
-        if why:
-            self.drops.drop("unexpected_publisher", why)
+        reason, why = self.sources.refusal(self._resolved[camera])  # another robot's frames are never assembled
+        if reason:
+            self.drops.drop(reason, why)
             return
         try:
             rgb = self.converter.compressed(msg) if compressed else self.converter.raw(msg)

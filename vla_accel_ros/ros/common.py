@@ -87,15 +87,15 @@ class SourceCheck:
         self.topics.append(subscription.topic_name)
         return subscription.topic_name
 
-    def refusal(self, topic: str, *, arrived: bool = True) -> str:
-        """'' when a message of ``topic`` (resolved) may be used, else why not."""
+    def refusal(self, topic: str, *, arrived: bool = True) -> tuple[str, str]:
+        """('', '') when a message of ``topic`` (resolved) may be used, else (reason, why not)."""
         infos = self.node.get_publishers_info_by_topic(topic)
         pubs = [Publisher(i.node_name, i.node_namespace) for i in infos]
         return sources.refusal(topic, self.node.get_namespace(), pubs, self.accept(), arrived=arrived)
 
     def problems(self) -> list[str]:
         """For /diagnostics: each watched topic's unexpected publishers now, one line per topic."""
-        return [why for t in self.topics if (why := self.refusal(t, arrived=False))]
+        return [why for t in self.topics if (why := self.refusal(t, arrived=False)[1])]
 
     def diagnose(self, level: int, message: str) -> tuple[int, str]:
         """A node's /diagnostics level and message, ERROR while a sensor topic has an unexpected
@@ -120,7 +120,8 @@ def subscribe_joint_states(
     """Feed ``state`` from the robot's JointState topics (message stamp, else receive time).
     Each message is judged where it arrives, and refused whole, counted and named: stamped more
     than ``max_future_ms()`` ahead of the node's clock (``future_stamp``), on a topic with a
-    publisher that is not this robot's (``unexpected_publisher``, ``check``), naming none of the
+    publisher that is not this robot's or not identified yet (``unexpected_publisher``,
+    ``unidentified_publisher``: ``check``), naming none of the
     topic's joints (``unexpected_joint_names``), or with a joint the state uses NaN / inf
     (``nonfinite_joint_state``): no state assembled from it can hold a non-finite value."""
 
@@ -131,9 +132,9 @@ def subscribe_joint_states(
         if stamp - now > limit * 1e6:
             drop("future_stamp", f"{topic}: stamped {(stamp - now) / 1e6:.1f} ms ahead of the clock > max_future_ms {limit:g}")
             return
-        why = check.refusal(topic)
-        if why:
-            drop("unexpected_publisher", why)
+        reason, why = check.refusal(topic)
+        if reason:
+            drop(reason, why)
             return
         reason, detail = state.refusal(index, msg.name, msg.position)  # the config only: no lock
         if reason:

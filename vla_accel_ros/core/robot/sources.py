@@ -71,16 +71,24 @@ def why_unexpected(topic: str, own: str, publisher: Publisher, accept: Iterable[
     return f"in namespace {ns}, neither this robot's ({own or '/'}) nor the topic's"
 
 
-def refusal(topic: str, own: str, publishers: Sequence[Publisher], accept: Iterable[str] = (), *, arrived: bool = True) -> str:
-    """'' when every publisher of ``topic`` belongs to this robot; else one line naming those
-    that do not (then no message of ``topic`` is used: which publisher sent it is unknown).
-    ``arrived``: a message is at hand, so a topic the graph lists no publisher for has one that
-    is not identified yet, and is refused too (diagnostics ask with ``arrived=False``)."""
-    if not publishers and arrived:
-        return f"{topic}: the graph lists no publisher yet, so the sender is not identified; its messages are refused until it is"
+def refusal(topic: str, own: str, publishers: Sequence[Publisher], accept: Iterable[str] = (), *, arrived: bool = True) -> tuple[str, str]:
+    """('', '') when every publisher of ``topic`` belongs to this robot; else (reason, one line
+    naming the publishers that do not): then no message of ``topic`` is used, since which
+    publisher sent it is unknown. ``unexpected_publisher``: the graph names a node that is not
+    this robot's. ``unidentified_publisher``: it does not name the sender yet (discovery under
+    way), a publisher without its node or, with a message at hand (``arrived``), no publisher at
+    all (diagnostics ask with ``arrived=False``: a silent topic is not a publisher problem)."""
+    if not publishers:
+        if not arrived:
+            return "", ""
+        return "unidentified_publisher", (
+            f"{topic}: the graph lists no publisher yet, so the sender is not identified; its messages are refused until it is"
+        )  # fmt: skip
     accept = tuple(accept)
-    bad = [f"{p.fully_qualified} ({why})" for p in publishers if (why := why_unexpected(topic, own, p, accept))]
+    bad = [(p, why) for p in publishers if (why := why_unexpected(topic, own, p, accept))]
     if not bad:
-        return ""
-    return (f"{topic} has an unexpected publisher: {', '.join(bad)}; its messages are refused until it is gone "
-            "(accept_publishers names namespaces to trust)")  # fmt: skip
+        return "", ""
+    reason = "unexpected_publisher" if any(p.known for p, _ in bad) else "unidentified_publisher"
+    named = ", ".join(f"{p.fully_qualified} ({why})" for p, why in bad)
+    return reason, (f"{topic} has an unexpected publisher: {named}; its messages are refused until it is gone "
+                    "(accept_publishers names namespaces to trust)")  # fmt: skip
