@@ -92,6 +92,7 @@ def _recording(graph, out: str) -> list:
             name=RECORDER,
             namespace=graph.namespace,
             parameters=[{**graph.recorder_parameters(out), "use_sim_time": graph.use_sim_time}],
+            remappings=list(graph.remappings),
             output="screen",
             emulate_tty=True,
         ),

@@ -59,11 +59,11 @@ def context_on(domain: int):
 
 
 @contextlib.contextmanager
-def module_ros_context():
-    """:func:`context_on` a random ROS domain kept on this machine, for module-scoped graphs
-    (the function-scoped ``ros_context`` fixture cannot serve them); the environment is restored
-    after."""
-    domain = random.SystemRandom().randint(1, 100)
+def module_ros_context(domain: int | None = None):
+    """:func:`context_on` ``domain`` (default: a random one) kept on this machine, for
+    module-scoped graphs (the function-scoped ``ros_context`` fixture cannot serve them); the
+    environment is restored after."""
+    domain = random.SystemRandom().randint(1, 100) if domain is None else domain
     saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE")}
     os.environ.update(ROS_DOMAIN_ID=str(domain), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
     try:
@@ -75,3 +75,37 @@ def module_ros_context():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def spinning(context, *nodes):
+    """Spin ``nodes`` on a MultiThreadedExecutor in a background thread; close and destroy them after."""
+    import threading
+
+    from rclpy.executors import MultiThreadedExecutor
+
+    from vla_accel_ros.ros.common import drain_executor
+
+    executor = MultiThreadedExecutor(num_threads=4, context=context)
+    for n in nodes:
+        executor.add_node(n)
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set() and context.ok():
+            executor.spin_once(timeout_sec=0.05)
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield executor
+    finally:
+        for n in nodes:
+            close = getattr(n, "close", None)
+            if close is not None:
+                close()
+        stop.set()
+        thread.join(timeout=10)
+        drain_executor(executor)
+        for n in nodes:
+            n.destroy_node()

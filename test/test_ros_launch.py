@@ -130,7 +130,7 @@ def test_sim_switch_adds_the_simulator_or_says_why_not(monkeypatch):
 def test_description_fits_cameras_to_the_bundle_and_reads_the_file_like_rcl(tmp_path, tiny_bundles):
     g = describe(bundle=tiny_bundles["flow"], synthetic_camera=True, shared_observations=True)
     cam = g.node(CAMERA).parameters
-    assert cam["cameras"] == ["cam_high"] and cam["topics"] == ["/cam_high/camera/color/image_rect_raw"]
+    assert cam["cameras"] == ["cam_high"] and cam["topics"] == ["cam_high/camera/color/image_rect_raw"]  # relative
     assert cam["image_size"] == 224 and cam["observation_transport"] == "shared"
     assert g.node(SYNTHETIC).parameters["camera_topics"] == cam["topics"]
     params = yaml.safe_load((ROOT / "config" / "aloha.yaml").read_text())
@@ -141,6 +141,35 @@ def test_description_fits_cameras_to_the_bundle_and_reads_the_file_like_rcl(tmp_
     assert node_parameters(custom, POLICY, "vla") == {"a": 2, "b.c": 3}
     assert node_parameters(custom, POLICY) == {"a": 1}
 
+
+
+def test_robot_topics_are_relative_and_absolute_ones_are_named_under_a_namespace(tmp_path):
+    """The shipped file isolates robots by namespace: its robot-side topics are relative and the
+    recording resolves them under the namespace. A file with absolute ones is named in the notes."""
+    g = describe(namespace="r1")
+    assert not g.notes
+    rec = g.resolved_record_topics()
+    assert {"/r1/cam_high/camera/color/image_rect_raw", "/r1/follower_left/joint_states", "/r1/joint_commands",
+            "/r1/episode/success", "/r1/action/joint_command"} <= set(rec)  # fmt: skip
+    assert not [t for t in rec if not t.startswith("/r1/") and t != "/diagnostics"], rec
+    params = yaml.safe_load((ROOT / "config" / "aloha.yaml").read_text())
+    params["/**"]["ros__parameters"]["robot"]["joint_state_topics"] = ["/follower_left/joint_states", "follower_right/joint_states"]
+    legacy = tmp_path / "legacy.yaml"
+    legacy.write_text(yaml.safe_dump(params))
+    (note,) = describe(params_file=legacy, namespace="r1").notes
+    assert "/follower_left/joint_states is an absolute name: every robot on this ROS domain shares it" in note
+    assert "follower_right" not in note and not describe(params_file=legacy).notes  # the root graph: nothing to say
+
+
+def test_two_simulators_keep_their_own_clock(monkeypatch):
+    """Under a namespace the simulator's /clock, and every node's (the recorder's too), is
+    <namespace>/clock; in the root namespace nothing is remapped."""
+    g = describe(sim=True, namespace="r1", record=True)
+    assert g.remappings == (("/clock", "clock"),) and all(("/clock", "clock") in n.remappings for n in g.nodes)
+    assert not describe(sim=True).remappings and not describe(namespace="r1").remappings
+    _, actions = _run_launch(monkeypatch, sim="true", namespace="r1", record="true")
+    nodes = [a for a in actions if type(a).__name__ == "Node"]
+    assert nodes and all(("/clock", "clock") in a.kwargs["remappings"] for a in nodes)
 
 
 # Sections in file order, with every spelling rcl accepts: bare names, nested namespaces, wildcards.

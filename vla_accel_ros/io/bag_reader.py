@@ -250,11 +250,13 @@ class BagReader(BagFile):
         optional = [t for t in (lay.action_topic, lay.instruction_topic, lay.episode_topic) if t in here]
         builder = self._builder = ObservationBuilder(names, sync, self.robot if joint_topics else None)
         latest: dict[str, BagMessage] = {}  # per topic, within the episode: stamps, velocities, action
+        merged: set[str] = set()  # joint-state topics with a message the state took, within the episode
         segment = 0
         for m in in_tick_order(self.messages(list(camera_of) + joint_topics + optional), lay, camera_of):
             if m.topic == lay.episode_topic:
                 builder.begin_episode(int(m.data))
                 latest.clear()
+                merged.clear()
                 segment += 1
             elif m.topic == lay.instruction_topic:
                 builder.set_instruction(str(m.data))
@@ -262,7 +264,11 @@ class BagReader(BagFile):
                 js = m.data
                 if js.position.size != len(js.names):
                     raise BagError(f"{m.topic}: {len(js.names)} names but {js.position.size} positions")
-                builder.joint_state(joint_index[m.topic], js.names, js.position, m.sensor_ns)
+                reason, detail = builder.state.refusal(joint_index[m.topic], js.names, js.position)
+                if reason == "unexpected_joint_names":  # not a glitch: the bag's layout is not the robot's
+                    raise BagError(f"{m.topic}: JointState lacks joint(s) of the robot: it {detail}")
+                if builder.joint_state(joint_index[m.topic], js.names, js.position, m.sensor_ns):
+                    merged.add(m.topic)  # (a message with NaN / inf is refused whole, as live)
                 latest[m.topic] = m
             elif m.topic in camera_of:
                 latest[m.topic] = m
@@ -270,12 +276,11 @@ class BagReader(BagFile):
                 obs = builder.frame(camera_of[m.topic], m.data, m.sensor_ns, m.stamp_ns)
                 if obs is not None:
                     yield self._sample(obs, latest, list(camera_of) + joint_topics, segment)
-                elif builder.rejects.get("no_state", 0) > no_state and all(t in latest for t in joint_topics):
-                    # Every joint-state topic has spoken and a joint is still missing: unless
-                    # its readings were only NaN / inf so far (one sample rejected, as live),
-                    # the bag's JointStates do not name the robot's joints (a layout error).
-                    nonfinite = set(builder.state.assembler.nonfinite())
-                    absent = [n for n in builder.state.missing() if n not in nonfinite]
+                elif builder.rejects.get("no_state", 0) > no_state and merged.issuperset(joint_topics):
+                    # Every joint-state topic has a message the state took and a joint is still
+                    # missing: the bag's JointStates do not name the robot's joints (a layout
+                    # error). Messages refused for NaN / inf only reject samples, as live.
+                    absent = builder.state.missing()
                     if absent:
                         raise BagError(f"{', '.join(joint_topics)}: JointState lacks joint(s) {', '.join(absent)}")
             else:

@@ -38,6 +38,7 @@ from vla_accel_ros.msg import ChunkRequest, MotionState
 from vla_accel_ros.ros import graph, qos
 from vla_accel_ros.ros.backends import make_backend
 from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status, subscribe_joint_states
+from vla_accel_ros.ros.common import SourceCheck, status_name
 from vla_accel_ros.ros.conversions import chunk_from_msg, motion_to_msg, request_to_msg, stamp_to_ns
 from vla_accel_ros.ros.params import ConfigParameters
 
@@ -78,8 +79,10 @@ class ActionControllerNode(Node):
         safety = MutuallyExclusiveCallbackGroup()  # e-stop and enable never wait behind chunks
         self.create_subscription(ActionChunkMsg, graph.ACTION_CHUNK, self._on_chunk, qos.RELIABLE, callback_group=inputs)
         self.create_subscription(Header, graph.OBSERVATION_STAMP, self._on_obs_stamp, qos.RELIABLE, callback_group=inputs)
+        self.sources = SourceCheck(self, lambda: self.cfg.robot.accept_publishers)
         subscribe_joint_states(self, cfg.robot.joint_state_topics, self.state, self._lock, inputs,
-                               max_future_ms=lambda: self.cfg.max_future_ms, drop=self.drops.drop)  # fmt: skip
+                               max_future_ms=lambda: self.cfg.max_future_ms, drop=self.drops.drop,
+                               check=self.sources)  # fmt: skip
         self.create_subscription(Bool, graph.ESTOP, self._on_estop, qos.LATCHED, callback_group=safety)
         self.create_service(SetBool, graph.ENABLE, self._on_enable, callback_group=safety)
         self._request_pub = self.create_publisher(ChunkRequest, graph.CHUNK_REQUEST, qos.RELIABLE)
@@ -173,6 +176,7 @@ class ActionControllerNode(Node):
             level, message = WARN, "waiting for the first chunk"
         elif loop.rate_hz and loop.rate_hz < 0.8 * self.cfg.scheduler.control_rate_hz:
             level, message = WARN, f"control loop at {loop.rate_hz:.1f} Hz"
+        level, message = self.sources.diagnose(level, message)
         values = {
             "loop rate hz": loop.rate_hz,
             "period mean ms": loop.period_mean_ms,
@@ -198,7 +202,7 @@ class ActionControllerNode(Node):
             "motion mode": MODE_NAMES[c.motion.mode],
         }
         values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
-        self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: control", level, message, values)]))
+        self._diag_pub.publish(diagnostics(self, [status(status_name(self, "control"), level, message, values)]))
 
     def reset_stats(self) -> None:
         self._ticks0 = self.control.tick_count

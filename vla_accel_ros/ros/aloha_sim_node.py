@@ -6,9 +6,12 @@ It stands where the real arm and cameras stand, on the topics of the parameter f
     robot.joint_state_topics       sensor_msgs/JointState    per arm, the real robot's names and units
     command.topic (per backend)    controller -> sim         joint_state | float64_multi_array |
                                                              joint_trajectory | interbotix
-    /clock                         rosgraph_msgs/Clock       sim time (publish_clock)
-    /action/joint_command          sensor_msgs/JointState    the 14-D action each step executed (sim units)
-    /episode, /episode/success     std_msgs/Int32, Bool      at an episode's first / last step
+    /clock                         rosgraph_msgs/Clock       sim time (publish_clock; <namespace>/clock
+                                                             under a namespace, remapped by the graph)
+    action/joint_command           sensor_msgs/JointState    the 14-D action each step executed (sim units)
+    episode, episode/success       std_msgs/Int32, Bool      at an episode's first / last step
+
+(relative names: ``/action/joint_command`` ... in the root namespace, as ``sim record`` writes them).
     instruction                    std_msgs/String           the task's instruction (transient local)
 
 Services: ``~/reset`` (std_srvs/Trigger) starts a new episode. At every new episode it calls
@@ -54,7 +57,7 @@ from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest
 from vla_accel_ros.ros import graph, qos
 from vla_accel_ros.ros.backends import interbotix_messages, interbotix_topics
-from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status
+from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status, status_name
 from vla_accel_ros.ros.conversions import header, ns_to_stamp, rgb_to_image, stamp_to_ns
 from vla_accel_ros.ros.params import ConfigParameters
 from vla_accel_ros.sim.robot_io import SIM_JOINTS, CommandDecoder, CommandError, joint_state_messages
@@ -72,7 +75,7 @@ class AlohaSimNode(Node):
         wall = Clock(clock_type=ClockType.STEADY_TIME)  # paused sim time must not stop these timers
 
         # -- outputs -------------------------------------------------------------------------
-        topics = cfg.camera_topics or tuple(self.layout.image_topic(self.layout.ros_camera(c)) for c in cfg.cameras)
+        topics = cfg.camera_topics or tuple(graph.relative(self.layout.image_topic(self.layout.ros_camera(c))) for c in cfg.cameras)
         self._cams = [
             (cam, f"{self.layout.camera_of_topic(t).strip('/').replace('/', '_')}_color_optical_frame",
              self.create_publisher(Image, t, qos.RELIABLE))  # fmt: skip
@@ -82,9 +85,10 @@ class AlohaSimNode(Node):
         # subscribers (camera node, controller) still match, and a recorder loses no frame.
         self._js_pubs = [self.create_publisher(JointState, t, qos.RELIABLE) for t in cfg.robot.joint_state_topics]
         self._clock_pub = self.create_publisher(ClockMsg, "/clock", qos.RELIABLE) if cfg.publish_clock else None
-        self._action_pub = self.create_publisher(JointState, self.layout.action_topic, qos.RELIABLE)
-        self._episode_pub = self.create_publisher(Int32, self.layout.episode_topic, qos.LATCHED)
-        self._success_pub = self.create_publisher(Bool, self.layout.success_topic, qos.RELIABLE)
+        # The bag layout's topics, relative: under the graph's namespace, as every topic of one robot.
+        self._action_pub = self.create_publisher(JointState, graph.relative(self.layout.action_topic), qos.RELIABLE)
+        self._episode_pub = self.create_publisher(Int32, graph.relative(self.layout.episode_topic), qos.LATCHED)
+        self._success_pub = self.create_publisher(Bool, graph.relative(self.layout.success_topic), qos.RELIABLE)
         self._instruction_pub = self.create_publisher(String, graph.INSTRUCTION, qos.LATCHED)
         self._diag_pub = self.create_publisher(DiagnosticArray, graph.DIAGNOSTICS, qos.RELIABLE)
 
@@ -211,7 +215,7 @@ class AlohaSimNode(Node):
         values = dict(s)
         values.pop("episode_results")  # grows with every episode; the counts above say enough
         values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
-        self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: simulator", level, message, values)]))
+        self._diag_pub.publish(diagnostics(self, [status(status_name(self, "simulator"), level, message, values)]))
 
     def reset_stats(self) -> None:
         self.runner.reset_stats()

@@ -113,8 +113,10 @@ def interbotix_messages() -> tuple[type, type]:
 
 
 def interbotix_topics(namespace: str) -> tuple[str, str]:
-    """The interbotix_xs_sdk command topics of one arm: (joint_group, joint_single)."""
-    base = "/" + namespace.strip("/")
+    """The interbotix_xs_sdk command topics of one arm: (joint_group, joint_single). A relative
+    ``namespace`` (``follower_left``) lies under the node's namespace, as the driver's does when
+    it is launched in the robot's namespace; ``/follower_left`` names the absolute one."""
+    base = namespace.rstrip("/")
     return f"{base}/commands/joint_group", f"{base}/commands/joint_single"
 
 

@@ -69,7 +69,8 @@ class RunningGraph:
     def add_recorder(self, name: str, module: str, node_class: str, parameters: dict) -> None:
         """One more node of ``module.node_class`` named ``name`` with ``parameters``."""
         cls = getattr(importlib.import_module(module), node_class)
-        kwargs = dict(node_name=name, context=self.context, parameter_overrides=[Parameter(k, value=v) for k, v in parameters.items()])
+        kwargs = dict(node_name=name, context=self.context, parameter_overrides=[Parameter(k, value=v) for k, v in parameters.items()],
+                      cli_args=["--ros-args", *(a for src, dst in self.graph.remappings for a in ("-r", f"{src}:={dst}"))])
         if self.graph.namespace:
             kwargs["namespace"] = self.graph.namespace
         self.add_node(name, cls(**kwargs))

@@ -10,7 +10,9 @@ policy: on the ``observation`` topic, or straight into the shared latest-only bu
 nodes run in one process (``observation_transport: shared``). Frames that cannot be used are
 dropped with a throttled warning and counted in ``/diagnostics``; the node keeps running. A
 frame stamped more than ``max_future_ms`` ahead of the node's clock is dropped before it is
-decoded (``future_stamp``): a camera with a wrong clock must not date observations in the future.
+decoded (``future_stamp``): a camera with a wrong clock must not date observations in the future;
+so is a frame of a topic with a publisher that is not this robot's (``unexpected_publisher``,
+:mod:`~vla_accel_ros.core.robot.sources`): another robot's frames are never assembled.
 
 Frames of several cameras are decoded in parallel; each is then handed to the assembler with the
 clock read under the assembler's lock, so the assembler sees its clock in the order frames reach
@@ -37,6 +39,7 @@ from vla_accel_ros.core.robot.observation import AssembledObservation, Observati
 from vla_accel_ros.msg import Observation as ObservationMsg
 from vla_accel_ros.ros import graph, qos
 from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status
+from vla_accel_ros.ros.common import SourceCheck, status_name
 from vla_accel_ros.ros.conversions import ImageConverter, observation_to_msg, stamp_to_ns
 from vla_accel_ros.ros.params import ConfigParameters
 
@@ -55,18 +58,20 @@ class CameraNode(Node):
         self._unstamped_warned = False
 
         frames_group = ReentrantCallbackGroup()  # decode + resize in parallel; assembly locks
+        self.sources = SourceCheck(self, lambda: self.params.config.accept_publishers)
         self._subs = []
+        self._resolved: dict[str, str] = {}  # camera -> its topic as resolved (namespace, remappings)
         for i, (cam, topic) in enumerate(zip(cfg.cameras, cfg.topics)):
             compressed = cfg.transport(i) == "compressed"
-            self._subs.append(
-                self.create_subscription(
-                    CompressedImage if compressed else Image,
-                    topic,
-                    partial(self._on_frame, cam, compressed),
-                    qos.SENSOR,
-                    callback_group=frames_group,
-                )
+            sub = self.create_subscription(
+                CompressedImage if compressed else Image,
+                topic,
+                partial(self._on_frame, cam, compressed),
+                qos.SENSOR,
+                callback_group=frames_group,
             )
+            self._subs.append(sub)
+            self._resolved[cam] = self.sources.watch(sub)
         self._pub = None
         self._channel = None
         if cfg.observation_transport == "topic":
@@ -76,7 +81,7 @@ class CameraNode(Node):
         self._diag_pub = self.create_publisher(DiagnosticArray, graph.DIAGNOSTICS, qos.RELIABLE)
         self.create_timer(1.0, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
         self.get_logger().info(
-            f"cameras {', '.join(f'{c} <- {t}' for c, t in zip(cfg.cameras, cfg.topics))}; converter {self.converter.mode}; "
+            f"cameras {', '.join(f'{c} <- {t}' for c, t in self._resolved.items())}; converter {self.converter.mode}; "
             f"observations via {cfg.observation_transport}"
         )
 
@@ -99,6 +104,10 @@ class CameraNode(Node):
         why = self.assembler.too_new(stamp, now)  # before decoding: a wrong clock costs nothing
         if why:
             self.drops.drop("future_stamp", f"{camera}: {why}")
+            return
+        reason, why = self.sources.refusal(self._resolved[camera])  # another robot's frames are never assembled
+        if reason:
+            self.drops.drop(reason, why)
             return
         try:
             rgb = self.converter.compressed(msg) if compressed else self.converter.raw(msg)
@@ -136,13 +145,14 @@ class CameraNode(Node):
             message = "; ".join(f"{c.camera}: {c.message}" for c in bad)
         elif reject:
             level, message = WARN, reject
+        level, message = self.sources.diagnose(level, message)
         values: dict[str, object] = {f"frames {c}": self.frames[c] for c in self.assembler.cameras}
         values.update({f"ms since new frame {c.camera}": c.since_new_ms for c in cams})
         values.update({f"re-sent frames {c.camera}": c.resent for c in cams})
         values.update({"observations": self.observations, "dropped": self.drops.total})
         values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
         values.update({f"rejected {k}": v for k, v in rejects.items()})
-        self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: cameras", level, message, values)]))
+        self._diag_pub.publish(diagnostics(self, [status(status_name(self, "cameras"), level, message, values)]))
 
     def reset_stats(self) -> None:
         self.frames.clear()

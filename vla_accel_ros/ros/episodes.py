@@ -26,7 +26,7 @@ from vla_accel_ros.core.errors import VlaAccelError
 from vla_accel_ros.core.robot.topics import TopicLayout
 from vla_accel_ros.msg import InferenceStats
 from vla_accel_ros.ros import bringup, processes, qos
-from vla_accel_ros.ros.graph import INFERENCE_STATS, SIM, Graph
+from vla_accel_ros.ros.graph import INFERENCE_STATS, SIM, Graph, relative
 
 
 class GraphEpisodeError(VlaAccelError):
@@ -53,7 +53,7 @@ class _Watcher:
         rclpy.init(context=self.context, domain_id=domain_id)
         self.node = Node("vla_eval_watcher", context=self.context, namespace=namespace or None)
         # Keep every outcome even when this thread falls behind: an episode missed is a run that never ends.
-        self.node.create_subscription(Bool, TopicLayout().success_topic, self._outcome, qos.RELIABLE)
+        self.node.create_subscription(Bool, relative(TopicLayout().success_topic), self._outcome, qos.RELIABLE)
         self.node.create_subscription(InferenceStats, INFERENCE_STATS, self._stats, qos.RELIABLE)
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)

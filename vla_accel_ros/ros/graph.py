@@ -20,8 +20,14 @@ Topics (relative names, so a launch ``namespace`` moves the whole graph):
 
 Services: ``policy_node/reset_episode`` (std_srvs/Trigger), ``action_controller_node/enable``
 (std_srvs/SetBool). ``policy_node/ready`` (std_msgs/Bool, transient local) says the bundle is
-loaded. Robot-side topics (cameras, joint states, Interbotix commands) are absolute names from
-the parameter file.
+loaded. Robot-side topics (cameras, joint states, Interbotix and end-effector commands) come
+from the parameter file, relative by default (``cam_high/camera/color/image_rect_raw``,
+``follower_left/joint_states``): under a namespace they resolve beneath it like the graph's own,
+so two robots on one ROS domain share nothing. An absolute name there is shared by every graph
+on the domain; :func:`describe` says so in its notes when a namespace is given, and the nodes
+refuse the messages of a sensor topic with another robot's publisher
+(:mod:`vla_accel_ros.core.robot.sources`). With the simulator under a namespace every node's
+``/clock`` is remapped to ``<namespace>/clock``: two simulated robots keep their own time.
 
 Contract for ``aloha_sim_node`` (issue 6): module ``vla_accel_ros.ros.aloha_sim_node`` with a
 ``Node`` subclass ``AlohaSimNode(node_name="aloha_sim_node", **node_kwargs)``; it reads its
@@ -101,6 +107,7 @@ class Graph:
     record: bool
     record_topics: tuple[str, ...]
     notes: tuple[str, ...] = ()  # what the description decided and why (printed by starters)
+    remappings: tuple[tuple[str, str], ...] = ()  # of every node of the graph, the recorder too
 
     def resolved_record_topics(self) -> list[str]:
         """Absolute names of ``record_topics`` (relative ones live under the namespace), once each."""
@@ -206,6 +213,15 @@ def describe(
                 f"(rcl reads it as an absolute name); name it '/**/{name}' to apply it in any namespace"
             )
 
+    if namespace.strip("/"):
+        shared = _absolute_robot_topics(topics, ctl_file)
+        if shared:
+            notes.append(
+                f"{params_path.name}: {', '.join(shared)} {'is an absolute name' if len(shared) == 1 else 'are absolute names'}: "
+                f"every robot on this ROS domain shares {'it' if len(shared) == 1 else 'them'}, namespace "
+                f"/{namespace.strip('/')} or not (relative names resolve under it; docs/ros2-interface.md#several-robots)"
+            )
+
     nodes = [
         _spec(CAMERA, "CameraNode", camera),
         _spec(POLICY, "PolicyNode", policy),
@@ -232,6 +248,14 @@ def describe(
             notes.append("synthetic robot: command.backend is not joint_state, so the fake arm holds its start pose")
         nodes.append(_spec(SYNTHETIC, "SyntheticSensorsNode", syn))
 
+    remappings: tuple[tuple[str, str], ...] = ()
+    if sim and namespace.strip("/"):
+        # rclpy's time source reads the absolute /clock: two simulators under two namespaces
+        # would both drive every node's clock. The simulator publishes, and the nodes follow,
+        # <namespace>/clock instead.
+        remappings = (("/clock", "clock"),)
+        nodes = [replace(n, remappings=(*n.remappings, *remappings)) for n in nodes]
+        notes.append(f"simulator: /clock is remapped to /{namespace.strip('/')}/clock for every node of the graph")
     return Graph(
         nodes=tuple(nodes),
         params_file=str(params_path),
@@ -240,7 +264,21 @@ def describe(
         record=bool(record),
         record_topics=record_topics(topics, ctl_file),
         notes=tuple(notes),
+        remappings=remappings,
     )
+
+
+def _absolute_robot_topics(camera_topics: list[str], controller: Mapping[str, Any]) -> list[str]:
+    """The robot-side topics (and Interbotix namespaces) the parameter file names absolutely."""
+    names = [*camera_topics, *controller.get("robot.joint_state_topics", [])]
+    backend = controller.get("command.backend", "joint_state")
+    if backend in ("ee_pose", "ee_twist"):
+        names += controller.get("command.ee_topics", [])
+    if backend == "interbotix":
+        names += controller.get("command.interbotix_namespaces", [])
+    if backend != "interbotix":
+        names.append(controller.get("command.topic", "joint_commands"))
+    return [str(n) for n in dict.fromkeys(names) if str(n).startswith("/")]
 
 
 def _aloha_image_topic(camera: str) -> str:
@@ -254,15 +292,22 @@ def record_topics(camera_topics: list[str], controller: Mapping[str, Any]) -> tu
     """What a recording of the graph holds, relative names under the namespace: the graph's
     own topics, the cameras and joint states, the command topic, and the rest of the layout
     ``vla-accel sim record`` writes, so ``vla-accel replay`` reads a live recording too."""
-    from vla_accel_ros.core.robot.topics import TopicLayout  # noqa: PLC0415
+    from vla_accel_ros.core.robot.topics import JOINT_STATE_TOPICS, TopicLayout  # noqa: PLC0415
 
     lay = TopicLayout()
     out = [OBSERVATION_STAMP, CHUNK_REQUEST, ACTION_CHUNK, INFERENCE_STATS, MOTION_STATE, INSTRUCTION, ESTOP, DIAGNOSTICS]
     out += list(camera_topics)
-    out += list(controller.get("robot.joint_state_topics", list(lay.joint_state_topics)))
+    out += list(controller.get("robot.joint_state_topics", list(JOINT_STATE_TOPICS)))
     out.append(str(controller.get("command.topic", "joint_commands")))
-    out += [lay.action_topic, lay.episode_topic, lay.instruction_topic, lay.success_topic]
+    # As the simulator publishes them: relative, under the namespace (in the root one, the bag layout).
+    out += [relative(t) for t in (lay.action_topic, lay.episode_topic, lay.instruction_topic, lay.success_topic)]
     return tuple(dict.fromkeys(out))
+
+
+def relative(topic: str) -> str:
+    """``/episode/success`` -> ``episode/success``: a bag layout name as a graph publishes it, so a
+    graph in the root namespace writes the layout and one in ``r1`` its own ``/r1/...`` topics."""
+    return topic.lstrip("/")
 
 
 def _sim_parameters(

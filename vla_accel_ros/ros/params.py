@@ -167,6 +167,11 @@ class ConfigParameters:
                 # ROS cannot infer an array type from [] (it reads it as a byte array): declare
                 # by type; an unset parameter means the config default.
                 p = node.declare_parameter(s.name, s.ros_type, s.descriptor)
+                if empty and p.type_ == Parameter.Type.NOT_SET and not s.descriptor.read_only:
+                    # rclpy's get_parameters service answers nothing at all when one name is
+                    # unset (`ros2 param dump` shows no parameter): hold a typed [] instead.
+                    p = Parameter(s.name, s.ros_type, [])
+                    node.set_parameters([p])
             else:
                 p = node.declare_parameter(s.name, list(s.default) if isinstance(s.default, tuple) else s.default, s.descriptor)
             values[s.name] = s.default if p.type_ == Parameter.Type.NOT_SET else from_ros(p.value)

@@ -44,6 +44,7 @@ from vla_accel_ros.msg import ChunkRequest, InferenceStats, MotionState
 from vla_accel_ros.msg import Observation as ObservationMsg
 from vla_accel_ros.ros import graph, qos
 from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, capped, diagnostics, spin_node, status, subscribe_joint_states
+from vla_accel_ros.ros.common import SourceCheck, status_name
 from vla_accel_ros.ros.conversions import (
     chunk_to_msg,
     guidance_from_msg,
@@ -87,8 +88,10 @@ class PolicyNode(Node):
         control = MutuallyExclusiveCallbackGroup()
         if cfg.observation_transport == "topic":
             self.create_subscription(ObservationMsg, graph.OBSERVATION, self._on_observation, qos.LATEST, callback_group=inputs)
+        self.sources = SourceCheck(self, lambda: self.worker.cfg.robot.accept_publishers)
         subscribe_joint_states(self, cfg.robot.joint_state_topics, self.worker.state, self.worker.lock, inputs,
-                               max_future_ms=lambda: self.worker.cfg.max_future_ms, drop=self.drops.drop)  # fmt: skip
+                               max_future_ms=lambda: self.worker.cfg.max_future_ms, drop=self.drops.drop,
+                               check=self.sources)  # fmt: skip
         self.create_subscription(String, graph.INSTRUCTION, self._on_instruction, qos.LATCHED, callback_group=control)
         self.create_subscription(ChunkRequest, graph.CHUNK_REQUEST, self._on_request, qos.RELIABLE, callback_group=control)
         self.create_subscription(
@@ -226,7 +229,8 @@ class PolicyNode(Node):
         level, message, values = self.worker.health(failure=self.failure, alive=self._thread.is_alive(), ready=self.ready)
         values.update({f"dropped {k}": v for k, v in self.drops.snapshot().items()})
         level = {"ok": OK, "warn": WARN, "error": ERROR}[level]
-        self._diag_pub.publish(diagnostics(self, [status(f"{self.get_name()}: policy", level, message, values)]))
+        level, message = self.sources.diagnose(level, message)
+        self._diag_pub.publish(diagnostics(self, [status(status_name(self, "policy"), level, message, values)]))
 
     def reset_stats(self) -> None:
         self.worker.reset_counts()

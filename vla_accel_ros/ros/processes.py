@@ -69,6 +69,7 @@ class ProcessGraph:
     _thread: threading.Thread | None = None
     _ready = False
     _policy_error = ""
+    _policy_status = ""  # the name of this graph's policy status on /diagnostics
 
     # -- start ----------------------------------------------------------------------------------
     def spawn(self, name: str, module: str, parameters: dict[str, Any], remappings: tuple[tuple[str, str], ...] = ()) -> None:
@@ -89,12 +90,13 @@ class ProcessGraph:
 
     def add_recorder(self, name: str, module: str, node_class: str, parameters: dict[str, Any]) -> None:
         """One more node process (``node_class`` is the module's main's: unused here)."""
-        self.spawn(name, module, parameters)
+        self.spawn(name, module, parameters, self.graph.remappings)
 
     def _start_monitor(self, domain_id: int | None) -> None:
         self._context = Context()
         rclpy.init(context=self._context, domain_id=domain_id)
         node = self._monitor = Node("vla_bringup_monitor", context=self._context, namespace=self.graph.namespace or None)
+        self._policy_status = f"{self.graph.namespace}/{POLICY}:".lstrip("/")  # as common.status_name names it
         node.create_subscription(Bool, f"{POLICY}/{READY.removeprefix('~/')}", self._on_ready, qos.LATCHED)
         node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, qos.RELIABLE)
         self._executor = make_executor(1, self._context)
@@ -109,7 +111,8 @@ class ProcessGraph:
 
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
         for st in msg.status:
-            if st.name.startswith(f"{POLICY}:") and _level(st) == DiagnosticStatus.ERROR:
+            # /diagnostics is shared by every robot on the domain: this graph's policy only.
+            if st.name.startswith(self._policy_status) and _level(st) == DiagnosticStatus.ERROR:
                 self._policy_error = st.message
 
     # -- run --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from sensor_msgs.msg import Image, JointState
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.robot.config import ALOHA_START_ARM, ARM_JOINTS, RobotConfig
 from vla_accel_ros.core.robot.state import GripperMap, state_to_joint_states
+from vla_accel_ros.core.robot.topics import image_topic
 from vla_accel_ros.ros import qos
 from vla_accel_ros.ros.common import spin_node
 from vla_accel_ros.ros.conversions import header, rgb_to_image
@@ -30,7 +31,7 @@ from vla_accel_ros.sim.synthetic import moving_arm_frames
 
 @dataclass(frozen=True)
 class SyntheticConfig(Config):
-    camera_topics: tuple[str, ...] = param(("/cam_high/camera/color/image_rect_raw",), doc="one image topic per camera", read_only=True)
+    camera_topics: tuple[str, ...] = param((image_topic("cam_high"),), doc="one image topic per camera", read_only=True)
     image_size: int = param(224, doc="square frame size", range=(16, 2048), read_only=True)
     camera_rate_hz: float = param(30.0, doc="frames per second per camera", range=(0.1, 1000.0), read_only=True)
     joint_rate_hz: float = param(50.0, doc="joint state rate", range=(0.1, 1000.0), read_only=True)

@@ -48,7 +48,7 @@ class LiveSimConfig(Config):
     )
     camera_topics: tuple[str, ...] = param(
         (), doc="one sensor_msgs/Image topic per camera; empty: the ALOHA layout of `sim record` "
-        "(top -> /cam_high/camera/color/image_rect_raw, ...)", read_only=True,
+        "(top -> cam_high/camera/color/image_rect_raw, ..., under the node's namespace)", read_only=True,
     )  # fmt: skip
     height: int = param(480, doc="rendered image height, pixels", range=(8, MAX_HEIGHT), read_only=True)
     width: int = param(640, doc="rendered image width, pixels", range=(8, MAX_WIDTH), read_only=True)

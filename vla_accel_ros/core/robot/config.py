@@ -15,6 +15,7 @@ from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.images import MAX_PIXELS, MAX_SIDE
+from vla_accel_ros.core.robot.sources import check_accept
 from vla_accel_ros.core.robot.topics import JOINT_STATE_TOPICS, image_topic
 from vla_accel_ros.core.scheduling.config import SchedulerConfig
 
@@ -58,6 +59,13 @@ class GripperConfig(Config):
             raise ConfigError("GripperConfig.joint_open and joint_close must differ")
 
 
+def _accept_publishers() -> tuple[str, ...]:
+    return param(
+        (), doc="namespaces (absolute, e.g. /drivers) whose nodes may publish this node's sensor topics besides the "
+        "robot's own; a topic with any other publisher has its messages refused (docs/ros2-interface.md#several-robots)",
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RobotConfig(Config):
     """The action / state layout and where joint states come from."""
@@ -70,7 +78,7 @@ class RobotConfig(Config):
     )
     joint_state_topics: tuple[str, ...] = param(
         JOINT_STATE_TOPICS,
-        doc="sensor_msgs/JointState topics the state is read from",
+        doc="sensor_msgs/JointState topics the state is read from (relative names resolve under the node's namespace)",
         read_only=True,
     )
     joint_state_prefixes: tuple[str, ...] = param(
@@ -80,8 +88,10 @@ class RobotConfig(Config):
         ("left_gripper", "right_gripper"), doc="joint_names entries that are normalized grippers", read_only=True
     )
     gripper: GripperConfig = param(GripperConfig(), doc="gripper maps")
+    accept_publishers: tuple[str, ...] = _accept_publishers()
 
     def validate(self) -> None:
+        check_accept("robot.accept_publishers", self.accept_publishers)
         if len(set(self.joint_names)) != len(self.joint_names) or not self.joint_names:
             raise ConfigError(f"RobotConfig.joint_names must be unique and non-empty, got {list(self.joint_names)}")
         if len(self.joint_state_prefixes) != len(self.joint_state_topics):
@@ -134,7 +144,8 @@ class CameraConfig(Config):
     cameras: tuple[str, ...] = param(ALOHA_CAMERAS, doc="camera names, in the policy's camera order", read_only=True)
     topics: tuple[str, ...] = param(
         tuple(image_topic(c) for c in ALOHA_CAMERAS),
-        doc="one image topic per camera (realsense2_camera >= 4.55 layout)",
+        doc="one image topic per camera (realsense2_camera >= 4.55 layout; relative names resolve under the node's "
+        "namespace)",
         read_only=True,
     )
     transports: tuple[str, ...] = param(
@@ -163,8 +174,10 @@ class CameraConfig(Config):
         3.0, doc="/diagnostics: ERROR for a camera that has sent no new frame (a newer stamp) for this long; WARN from "
         "max_age_ms on (ERROR never before WARN)", range=(0.01, 3600.0),
     )  # fmt: skip
+    accept_publishers: tuple[str, ...] = _accept_publishers()
 
     def validate(self) -> None:
+        check_accept("accept_publishers", self.accept_publishers)
         if len(set(self.cameras)) != len(self.cameras) or not self.cameras:
             raise ConfigError(f"CameraConfig.cameras must be unique and non-empty, got {list(self.cameras)}")
         if len(self.topics) != len(self.cameras):
@@ -334,12 +347,13 @@ class CommandConfig(Config):
         "joint_commands", doc="command topic of joint_state / float64_multi_array / joint_trajectory", read_only=True
     )
     interbotix_namespaces: tuple[str, ...] = param(
-        ("follower_left", "follower_right"), doc="interbotix: robot namespace per arm (commands/joint_group, joint_single)",
+        ("follower_left", "follower_right"), doc="interbotix: robot namespace per arm (commands/joint_group, joint_single; "
+        "relative ones lie under the node's namespace)",
         read_only=True,
     )  # fmt: skip
     arm_group: str = param("arm", doc="interbotix: JointGroupCommand.name", read_only=True)
     ee_topics: tuple[str, ...] = param(
-        ("/follower_left/ee_command", "/follower_right/ee_command"), doc="ee_pose / ee_twist: one topic per arm", read_only=True
+        ("follower_left/ee_command", "follower_right/ee_command"), doc="ee_pose / ee_twist: one topic per arm", read_only=True
     )
     ee_frame_ids: tuple[str, ...] = param(
         ("follower_left/base_link", "follower_right/base_link"), doc="ee_pose / ee_twist: header.frame_id per arm",

@@ -228,8 +228,12 @@ class StateGate:
     def set_limit(self, *, max_state_age_ns: int) -> None:
         self.max_state_age_ns = int(max_state_age_ns)
 
+    def refusal(self, topic_index: int, names: Sequence[str], positions: Sequence[float]) -> tuple[str, str]:
+        """Why that message would not be merged (:meth:`StateAssembler.refusal`); ('', '') when it would."""
+        return self.assembler.refusal(topic_index, names, positions)
+
     def update(self, topic_index: int, names: Sequence[str], positions: Sequence[float], stamp_ns: int) -> int:
-        """One JointState message of topic ``topic_index``; returns the joints it matched."""
+        """One JointState message of topic ``topic_index``; returns the joints it merged (0: refused)."""
         return self.assembler.update(topic_index, names, positions, stamp_ns)
 
     def missing(self) -> list[str]:

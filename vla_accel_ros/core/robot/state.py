@@ -9,6 +9,7 @@ described by a :class:`RobotConfig`.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -82,30 +83,52 @@ class StateAssembler:
         self._stamps = np.full(self.dim, -1, np.int64)
         self._nonfinite = np.zeros(self.dim, bool)  # the joint's latest reading was NaN / inf
 
-    def update(self, topic_index: int, names: Sequence[str], positions: Sequence[float], stamp_ns: int) -> int:
-        """Record one JointState message from topic ``topic_index``; returns joints matched."""
+    def refusal(self, topic_index: int, names: Sequence[str], positions: Sequence[float]) -> tuple[str, str]:
+        """Why a JointState message of topic ``topic_index`` is not merged, ('', '') when it is.
+        ``unexpected_joint_names``: it names none of the joints this topic carries (another
+        robot's, another arm layout's). ``nonfinite_joint_state``: a joint the state uses is NaN or
+        inf, or beyond float32 (the policy's dtype) in the state's units. Either refuses the whole
+        message: a reading beside a broken one is not trusted, and nothing non-finite ever
+        reaches a state."""
+        reason, detail, _ = self._read(topic_index, names, positions)
+        return reason, detail
+
+    def _read(self, topic_index: int, names: Sequence[str], positions: Sequence[float]) -> tuple[str, str, list[tuple[int, float]]]:
+        """(reason, detail, [(state index, value in the state's units)]): the readings when the
+        reason is '', else those that are not finite."""
         m = self._maps[topic_index]
-        hit = 0
-        for name, value in zip(names, positions):
+        readings = []
+        for name, raw in zip(names, positions):
             entry = m.get(name)
-            if entry is None:
-                continue
-            i, is_gripper = entry
-            v = float(value)
-            self._nonfinite[i] = not np.isfinite(v)
-            if self._nonfinite[i]:
-                continue  # the last finite reading (if any) stays, and ages
-            self._values[i] = self.gripper.state_value(v) if is_gripper else v
-            self._stamps[i] = int(stamp_ns)
-            hit += 1
-        return hit
+            if entry is not None:
+                i, is_gripper = entry
+                readings.append((name, i, self.gripper.state_value(float(raw)) if is_gripper else float(raw)))
+        if not readings:
+            got = _few(list(names)) or "no names"
+            return "unexpected_joint_names", f"names none of this topic's joints ({_few(sorted(m))}), got {got}", []
+        bad = [(name, i, v) for name, i, v in readings if not _fits(v)]
+        if bad:
+            detail = f"{_few([n for n, _, _ in bad])} not finite (NaN / inf, or beyond float32)"
+            return "nonfinite_joint_state", detail, [(i, v) for _, i, v in bad]
+        return "", "", [(i, v) for _, i, v in readings]
+
+    def update(self, topic_index: int, names: Sequence[str], positions: Sequence[float], stamp_ns: int) -> int:
+        """Merge one JointState message of topic ``topic_index``; returns the joints merged, 0 when
+        :meth:`refusal` refuses it (the joints it had non-finite are remembered: :meth:`nonfinite`)."""
+        reason, _, readings = self._read(topic_index, names, positions)
+        for i, v in readings:
+            if reason:
+                self._nonfinite[i] = True  # the last finite reading (if any) stays, and ages
+            else:
+                self._values[i], self._stamps[i], self._nonfinite[i] = v, int(stamp_ns), False
+        return 0 if reason else len(readings)
 
     def missing(self) -> list[str]:
         """Joints with no finite reading yet."""
         return [n for n, s in zip(self.robot.joint_names, self._stamps) if s < 0]
 
     def nonfinite(self) -> list[str]:
-        """Joints whose latest reading was NaN or inf."""
+        """Joints whose latest reading was NaN or inf (or beyond float32)."""
         return [n for n, bad in zip(self.robot.joint_names, self._nonfinite) if bad]
 
     def state(self) -> tuple[np.ndarray, int] | None:
@@ -177,3 +200,17 @@ def to_robot_units(action: np.ndarray, robot: RobotConfig) -> np.ndarray:
 def arm_slices(robot: RobotConfig) -> list[list[int]]:
     """Per arm, the action indices of its joints (``<arm>_*``), in joint_names order."""
     return [[i for i, n in enumerate(robot.joint_names) if n.startswith(f"{arm}_")] for arm in robot.arms]
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _fits(v: float) -> bool:
+    """``v`` is finite in float32 too (1e39 is a finite float64 but inf in the policy's state)."""
+    return math.isfinite(v) and abs(v) <= FLOAT32_MAX
+
+
+def _few(names: Sequence[str], n: int = 4) -> str:
+    """At most ``n`` names for a message (a joint-state storm must not flood the log)."""
+    shown = ", ".join(str(x)[:40] for x in names[:n])
+    return shown + (f" ... ({len(names)})" if len(names) > n else "")

@@ -3,13 +3,19 @@ recorder and bags on disk call their topics.
 
 ::
 
-  /<cam>/camera/color/image_rect_raw  sensor_msgs/Image, one per camera (realsense2_camera >= 4.55)
-  /follower_left/joint_states         sensor_msgs/JointState per arm, in the real robot's units
-  /follower_right/joint_states          (:class:`~vla_accel_ros.core.robot.config.RobotConfig`)
+  <cam>/camera/color/image_rect_raw   sensor_msgs/Image, one per camera (realsense2_camera >= 4.55)
+  follower_left/joint_states          sensor_msgs/JointState per arm, in the real robot's units
+  follower_right/joint_states           (:class:`~vla_accel_ros.core.robot.config.RobotConfig`)
   /action/joint_command               sensor_msgs/JointState, the 14-D action of each tick (policy units)
   /episode                            std_msgs/Int32, episode index, once at its first tick
   /instruction                        std_msgs/String, the task instruction, once per episode
   /episode/success                    std_msgs/Bool, once at the episode's last tick
+
+The nodes read the sensor topics by relative names (:data:`CAMERA_TOPIC`,
+:data:`JOINT_STATE_TOPICS`), as ROS 2 drivers publish them: they resolve under the graph's
+namespace, so two robots started with ``namespace:=r1`` and ``namespace:=r2`` never read each
+other's cameras or arms. A bag holds the names a graph in the root namespace resolves
+(``/cam_high/camera/color/image_rect_raw``): :class:`TopicLayout`.
 
 The robot and camera configs take their defaults from here; the simulator node publishes,
 ``vla-accel sim record`` writes and ``BagReader`` reads this layout; ``ros/graph.py`` records it.
@@ -22,27 +28,30 @@ from dataclasses import dataclass
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError
 
-CAMERA_TOPIC = "/{camera}/camera/color/image_rect_raw"
-JOINT_STATE_TOPICS = ("/follower_left/joint_states", "/follower_right/joint_states")
+# Relative: a node resolves them under its namespace (``/r1/follower_left/joint_states``).
+CAMERA_TOPIC = "{camera}/camera/color/image_rect_raw"
+JOINT_STATE_TOPICS = ("follower_left/joint_states", "follower_right/joint_states")
 # Scene camera of the simulator = ROS camera name of the real ALOHA.
 SIM_CAMERA_NAMES = ("top=cam_high", "left_wrist=cam_left_wrist", "right_wrist=cam_right_wrist")
 
 
 def image_topic(camera: str, template: str = CAMERA_TOPIC) -> str:
-    """The image topic of a ROS camera name (``cam_high`` -> ``/cam_high/camera/color/image_rect_raw``)."""
+    """The image topic of a ROS camera name (``cam_high`` -> ``cam_high/camera/color/image_rect_raw``)."""
     return template.replace("{camera}", camera)
 
 
 @dataclass(frozen=True)
 class TopicLayout(Config):
+    """The topics of a bag: absolute names, as a graph in the root namespace resolves them."""
+
     camera_topic: str = param(
-        CAMERA_TOPIC, doc="image topic template; {camera} is the ROS camera name (realsense2_camera >= 4.55)"
+        "/" + CAMERA_TOPIC, doc="image topic template; {camera} is the ROS camera name (realsense2_camera >= 4.55)"
     )
     camera_names: tuple[str, ...] = param(
         SIM_CAMERA_NAMES, doc="sim camera=ROS camera name; sim cameras not listed keep their own name"
     )
-    left_joint_states: str = param(JOINT_STATE_TOPICS[0], doc="left arm JointState topic")
-    right_joint_states: str = param(JOINT_STATE_TOPICS[1], doc="right arm JointState topic")
+    left_joint_states: str = param("/" + JOINT_STATE_TOPICS[0], doc="left arm JointState topic")
+    right_joint_states: str = param("/" + JOINT_STATE_TOPICS[1], doc="right arm JointState topic")
     action_topic: str = param("/action/joint_command", doc="commanded 14-D action (JointState)")
     instruction_topic: str = param("/instruction", doc="task instruction (String), once per episode")
     episode_topic: str = param("/episode", doc="episode index (Int32) at each episode's first tick")
@@ -68,8 +77,10 @@ class TopicLayout(Config):
         return image_topic(ros_camera, self.camera_topic)
 
     def camera_of_topic(self, topic: str) -> str:
-        """The camera name in an image topic; topics off the template are named by themselves."""
-        prefix, suffix = self.camera_topic.split("{camera}")
-        if topic.startswith(prefix) and topic.endswith(suffix) and len(topic) > len(prefix) + len(suffix):
-            return topic[len(prefix) : len(topic) - len(suffix)]
+        """The camera name in an image topic, absolute or relative (as the graph's nodes name it);
+        topics off the template are named by themselves."""
+        prefix, suffix = self.camera_topic.lstrip("/").split("{camera}")
+        name = topic.lstrip("/")
+        if name.startswith(prefix) and name.endswith(suffix) and len(name) > len(prefix) + len(suffix):
+            return name[len(prefix) : len(name) - len(suffix)]
         return topic
