@@ -261,7 +261,7 @@ class BagReader(BagFile):
             elif m.topic in joint_index:
                 js = m.data
                 if js.position.size != len(js.names):
-                    raise BagError(f"{m.topic}: {len(js.names)} names but {js.position.size} positions")
+                    raise BagError(f"{self.path}: {m.topic}: {len(js.names)} names but {js.position.size} positions")
                 builder.joint_state(joint_index[m.topic], js.names, js.position, m.sensor_ns)
                 latest[m.topic] = m
             elif m.topic in camera_of:
@@ -277,7 +277,7 @@ class BagReader(BagFile):
                     nonfinite = set(builder.state.assembler.nonfinite())
                     absent = [n for n in builder.state.missing() if n not in nonfinite]
                     if absent:
-                        raise BagError(f"{', '.join(joint_topics)}: JointState lacks joint(s) {', '.join(absent)}")
+                        raise BagError(f"{self.path}: {', '.join(joint_topics)}: JointState lacks joint(s) {', '.join(absent)}")
             else:
                 latest[m.topic] = m  # the action
 
@@ -307,7 +307,7 @@ class BagReader(BagFile):
         if all(n in index for n in ACTION_NAMES) and js.position.size == len(js.names):
             return js.position[[index[n] for n in ACTION_NAMES]].copy()
         want, got = ", ".join(ACTION_NAMES), ", ".join(js.names)
-        raise BagError(f"{self.layout.action_topic}: expected joints {want}, got {got}")
+        raise BagError(f"{self.path}: {self.layout.action_topic}: expected joints {want}, got {got}")
 
 
 def in_tick_order(messages: Iterable[BagMessage], layout: TopicLayout, frame_topics: Iterable[str]) -> Iterator[BagMessage]:
