@@ -7,6 +7,7 @@ Modules:
     ``sim_recorder``  :class:`FrameRecorder`: simulator frames in the ALOHA topic layout
     ``episodes``      per-episode summaries and the text of ``vla-accel bag inspect``
     ``recording``     a live graph's serialized messages into a bag (the ROS-free half of the recorder)
+    ``lerobot_export`` bags to a LeRobotDataset v3.0, written by ``lerobot_dataset_worker`` in LeRobot's Python
 
 The topic conventions themselves live in :mod:`vla_accel_ros.core.robot.topics`.
 """

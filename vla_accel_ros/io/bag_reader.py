@@ -263,10 +263,10 @@ class BagReader(BagFile):
             elif m.topic in joint_index:
                 js = m.data
                 if js.position.size != len(js.names):
-                    raise BagError(f"{m.topic}: {len(js.names)} names but {js.position.size} positions")
+                    raise BagError(f"{self.path}: {m.topic}: {len(js.names)} names but {js.position.size} positions")
                 reason, detail = builder.state.refusal(joint_index[m.topic], js.names, js.position)
                 if reason == "unexpected_joint_names":  # not a glitch: the bag's layout is not the robot's
-                    raise BagError(f"{m.topic}: JointState lacks joint(s) of the robot: it {detail}")
+                    raise BagError(f"{self.path}: {m.topic}: JointState lacks joint(s) of the robot: it {detail}")
                 if builder.joint_state(joint_index[m.topic], js.names, js.position, m.sensor_ns):
                     merged.add(m.topic)  # (a message with NaN / inf is refused whole, as live)
                 latest[m.topic] = m
@@ -282,7 +282,7 @@ class BagReader(BagFile):
                     # error). Messages refused for NaN / inf only reject samples, as live.
                     absent = builder.state.missing()
                     if absent:
-                        raise BagError(f"{', '.join(joint_topics)}: JointState lacks joint(s) {', '.join(absent)}")
+                        raise BagError(f"{self.path}: {', '.join(joint_topics)}: JointState lacks joint(s) {', '.join(absent)}")
             else:
                 latest[m.topic] = m  # the action
 
@@ -312,7 +312,7 @@ class BagReader(BagFile):
         if all(n in index for n in ACTION_NAMES) and js.position.size == len(js.names):
             return js.position[[index[n] for n in ACTION_NAMES]].copy()
         want, got = ", ".join(ACTION_NAMES), ", ".join(js.names)
-        raise BagError(f"{self.layout.action_topic}: expected joints {want}, got {got}")
+        raise BagError(f"{self.path}: {self.layout.action_topic}: expected joints {want}, got {got}")
 
 
 def in_tick_order(messages: Iterable[BagMessage], layout: TopicLayout, frame_topics: Iterable[str]) -> Iterator[BagMessage]:
