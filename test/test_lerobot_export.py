@@ -84,7 +84,7 @@ def _expected(bag: Path) -> list[dict]:
         act = t[LAY.action_topic]
         assert act.names == ACTION_NAMES
         state = []
-        for topic in RobotConfig().joint_state_topics:
+        for topic in LAY.joint_state_topics:  # the bag's names (the robot config's, resolved in the root namespace)
             js = t[topic]
             pos = dict(zip(js.names, js.position))
             state += [pos[j] for j in ARM_JOINTS[:-1]] + [gripper.finger_to_normalized(pos["left_finger"])]
@@ -170,8 +170,8 @@ def test_bad_bags_fail_naming_the_bag_and_topic(bag3: Path, tmp_path: Path) -> N
         BagFrames(_cfg(tmp_path, bag3, cameras=("cam_high", "cam_low")))
     # The bag's joint names are not the robot's (a parameter file for another naming).
     other = RobotConfig(joint_state_prefixes=("l_", "r_"))
-    with pytest.raises(BagError, match=rf"{bag3}: /follower_left/joint_states, /follower_right/joint_states: "
-                                       "JointState lacks joint\\(s\\) left_waist"):  # fmt: skip
+    with pytest.raises(BagError, match=rf"{bag3}: /follower_left/joint_states: JointState lacks joint\(s\) of the "
+                                       "robot: it names none of this topic's joints"):  # fmt: skip
         list(BagFrames(_cfg(tmp_path, bag3, robot=other)))
     # No commands: no action.
     no_action = _copy(bag3, tmp_path / "no_action", lambda m: m.topic != LAY.action_topic)

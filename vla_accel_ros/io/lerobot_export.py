@@ -47,7 +47,7 @@ from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import BagError, ConfigError, VlaAccelError
 from vla_accel_ros.core.params_file import default_params_file, load_params, node_config
 from vla_accel_ros.core.robot.config import CameraConfig, PolicyNodeConfig, RobotConfig, SyncConfig
-from vla_accel_ros.core.robot.topics import TopicLayout
+from vla_accel_ros.core.robot.topics import TopicLayout, root_name
 from vla_accel_ros.io.bag_file import ACTION_NAMES, bag_size_bytes
 from vla_accel_ros.io.bag_reader import BagReader, in_tick_order
 
@@ -153,6 +153,9 @@ class BagFrames:
     def __init__(self, cfg: ExportConfig, layout: TopicLayout | None = None) -> None:
         self.cfg = cfg
         self.layout = layout or TopicLayout()
+        # The parameter file names the joint-state topics relative to the graph's namespace; a
+        # bag holds them as a graph in the root namespace resolved them.
+        self.robot = cfg.robot.replace(joint_state_topics=tuple(root_name(t) for t in cfg.robot.joint_state_topics))
         self.counts = FrameCounts()
         self.cameras: tuple[str, ...] = cfg.cameras
         self.frames_total = 0  # frames on the first camera's topic, for a progress bar
@@ -162,7 +165,7 @@ class BagFrames:
                 self._check(bag)
 
     def _open(self, path: str) -> BagReader:
-        return BagReader(path, layout=self.layout, robot=self.cfg.robot)
+        return BagReader(path, layout=self.layout, robot=self.robot)
 
     def _check(self, bag: BagReader) -> None:
         lay, here = self.layout, bag.topics
@@ -179,10 +182,10 @@ class BagFrames:
                 have = ", ".join(f"{c} ({t})" for c, t in sorted(cams.items())) or "none"
                 raise BagError(f"{bag.path} has no {lay.image_topic(cam)} (camera {cam}); its cameras: {have}")
         self.frames_total += here[cams[self.cameras[0]]].count
-        for topic in self.cfg.robot.joint_state_topics:
+        for topic in self.robot.joint_state_topics:
             if topic not in here:
                 raise BagError(f"{bag.path} has no {topic} (sensor_msgs/JointState): observation.state is assembled from "
-                               f"{', '.join(self.cfg.robot.joint_state_topics)}")  # fmt: skip
+                               f"{', '.join(self.robot.joint_state_topics)}")  # fmt: skip
         if lay.action_topic not in here:
             raise BagError(f"{bag.path} has no {lay.action_topic} (sensor_msgs/JointState): the action of each frame is "
                            "the command recorded there")  # fmt: skip

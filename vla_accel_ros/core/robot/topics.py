@@ -35,6 +35,12 @@ JOINT_STATE_TOPICS = ("follower_left/joint_states", "follower_right/joint_states
 SIM_CAMERA_NAMES = ("top=cam_high", "left_wrist=cam_left_wrist", "right_wrist=cam_right_wrist")
 
 
+def root_name(topic: str) -> str:
+    """A topic as a node in the root namespace resolves it (``follower_left/joint_states`` ->
+    ``/follower_left/joint_states``): the name a bag recorded there holds."""
+    return topic if topic.startswith("/") else "/" + topic
+
+
 def image_topic(camera: str, template: str = CAMERA_TOPIC) -> str:
     """The image topic of a ROS camera name (``cam_high`` -> ``cam_high/camera/color/image_rect_raw``)."""
     return template.replace("{camera}", camera)
