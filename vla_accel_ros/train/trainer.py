@@ -31,7 +31,7 @@ from vla_accel_ros.core.bundle import BundleSpec
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import BundleError, ConfigError
 from vla_accel_ros.models.family import family_names, get_family
-from vla_accel_ros.models.common import CONV_STEM, siglip_pixels
+from vla_accel_ros.models.common import siglip_pixels
 from vla_accel_ros.train.data import Batch, ChunkDataset, DataStats, Episode, compute_stats, split_episodes
 
 CHECKPOINT_DIR = "checkpoint"
@@ -46,7 +46,7 @@ class TrainConfig(Config):
     family: str = param("flow", doc="policy family (one that trains from bags: ar, flow, smolvla)")
     size: str = param("mini", doc="model size preset", choices=("tiny", "mini", "small"))
     cameras: tuple[str, ...] = param(("cam_high",), doc="ROS camera names the policy sees, in token order")
-    image_size: int = param(0, doc="square image size of the vision tower (0: the size preset's, 224)", range=(0, 2048))
+    image_size: int = param(0, doc="square image size of the vision tower (0: the size preset's: ar / flow 224, smolvla 384)", range=(0, 2048))
     patch_size: int = param(
         0, doc="pixels per image-token side (0: the preset's, 14): (image_size / patch_size)^2 tokens per camera",
         range=(0, 2048),
