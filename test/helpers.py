@@ -84,7 +84,7 @@ def spinning(context, *nodes):
 
     from rclpy.executors import MultiThreadedExecutor
 
-    from vla_accel_ros.ros.common import drain_executor
+    from vla_accel_ros.ros.executors import drain_executor
 
     executor = MultiThreadedExecutor(num_threads=4, context=context)
     for n in nodes:

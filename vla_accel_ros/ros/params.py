@@ -29,7 +29,7 @@ from rclpy.parameter import Parameter
 
 from vla_accel_ros.core.config import Config, flatten, unflatten
 from vla_accel_ros.core.errors import ConfigError
-from vla_accel_ros.ros.common import capped
+from vla_accel_ros.ros.drops import capped
 
 _SCALARS = {
     bool: Parameter.Type.BOOL,
