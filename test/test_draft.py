@@ -13,6 +13,7 @@ pytest.importorskip("gym_aloha", reason="requirements-sim.txt is not installed")
 pytest.importorskip("rosbags", reason="requirements-sim.txt is not installed")
 
 from helpers import record_sim_bag  # noqa: E402
+from vla_accel_ros.bench import modes as bm  # noqa: E402
 from vla_accel_ros.bench import replay as rp  # noqa: E402
 from vla_accel_ros.bench.report import markdown  # noqa: E402
 from vla_accel_ros.core.bundle import load_bundle  # noqa: E402
@@ -127,4 +128,4 @@ def test_replay_runs_the_draft_modes(bag, tiny_bundles, tmp_path):
     assert "Action draft" in markdown(rep, [])
     flow = tiny_bundles["flow"]
     with pytest.raises(ConfigError, match="draft ar action tokens"):
-        rp.build_runs(load_bundle(flow), ["baseline", "draft"], rp.ReplayConfig(bag=bag, bundle=flow))
+        bm.build_runs(load_bundle(flow), ["baseline", "draft"], rp.ReplayConfig(bag=bag, bundle=flow))

@@ -34,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from vla_accel_ros.bench.replay import BASELINE, ReplayConfig, build_runs, frame_noise, machine_info, parse_modes
+from vla_accel_ros.bench.machine import machine_info
+from vla_accel_ros.bench.modes import BASELINE, build_runs, frame_noise, parse_modes
+from vla_accel_ros.bench.replay import ReplayConfig
 from vla_accel_ros.bench.stats import distribution
 from vla_accel_ros.core.errors import BagError, ConfigError, VlaAccelError
 
