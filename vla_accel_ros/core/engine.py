@@ -481,12 +481,3 @@ class Engine:
         p = pk / pk.sum(-1, keepdim=True).clamp_min(1e-12)
         ent = -(p * p.clamp_min(1e-12).log()).sum(-1)  # [B, Hq, nq]
         out.entropy[l] = float(ent.mean())
-
-    # -- helpers for the common shapes of plans ------------------------------------------------
-    def full_plan(self, start: int, length: int, *, position0: int | None = None, output_last: bool = True) -> StepPlan:
-        """Every row of slots [start, start+length) at positions position0.. (default: start..)."""
-        slots = torch.arange(start, start + length, device=self.device)
-        p0 = start if position0 is None else position0
-        positions = torch.arange(p0, p0 + length, device=self.device)
-        out = slots[-1:] if output_last else None
-        return StepPlan(slots=slots, positions=positions, output_slots=out)

@@ -164,9 +164,6 @@ class CameraNode(Node):
     def summary(self) -> dict[str, object]:
         return {"frames": sum(self.frames.values()), "observations": self.observations, "dropped": self.drops.total}
 
-    def close(self) -> None:
-        pass
-
 
 def _limits(cfg: CameraConfig) -> dict[str, int]:
     """The image half's limits in ns, as :class:`ObservationAssembler` takes them."""
