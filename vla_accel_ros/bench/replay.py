@@ -133,10 +133,47 @@ def gate_frames_from_bag(path: Path, sync, second: int = 10) -> tuple[Any, Any] 
 def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") -> dict[str, Any]:
     """Replay ``cfg.bag`` through ``cfg.bundle`` in every mode; returns the report (see
     :mod:`vla_accel_ros.bench.report`)."""
-    from vla_accel_ros.bench.progress import progress_bar
+    from vla_accel_ros.models.factory import load_bundle
+
+    names, spec, sync, bag_info = _checked_inputs(cfg)
+    bag_path, bundle_path = Path(cfg.bag), Path(cfg.bundle)
+    runs = build_runs(load_bundle(bundle_path), names, cfg, gate_observations=gate_frames_from_bag(bag_path, sync))
+    for r in runs:
+        r.reset()  # forget the parity gate's frames
+    ref = next(r.policy for r in runs if r.name == BASELINE)
+    flow_steps = getattr(ref, "num_steps", 0)  # policies that integrate a flow; 0: token decoding
+    seen = _replay_frames(cfg, runs, spec, sync, bag_info["frames"], progress)
+    for r in runs:  # bookkeeping after the bag, not between two timed inferences
+        r.flops = [estimate_flops(spec, w, flow_steps=flow_steps) for w in r.work]
+    if not seen.frame_episodes:
+        raise BagError(
+            f"bag {bag_path} yielded {seen.processed} observation(s) for cameras {', '.join(spec.cameras)}, none after "
+            f"the {cfg.warmup} warm-up frame(s); record a longer bag or lower --warmup"
+        )
+    meta = {
+        "schema": SCHEMA,
+        "command": command,
+        "bag": {**bag_info, "observations": seen.processed, "skipped": seen.skipped, "episodes": list(seen.episodes.values()),
+                # each observation is inferred on as it is made: its age then, on the bag's clock
+                "observation_age_ms": distribution(seen.obs_ages)},  # fmt: skip
+        "bundle": _bundle_info(bundle_path, spec, ref, flow_steps),
+        "frames": len(seen.frame_episodes),
+        "warmup": min(cfg.warmup, seen.processed),
+        "seed": cfg.seed,
+        "mode_order": names,
+        "machine": machine_info(),
+        "flops_formula": FORMULA,
+        "frame_episodes": seen.frame_episodes,
+        "frame_stamps_ns": seen.frame_stamps,
+    }
+    return {**meta, "modes": summarize(runs, spec, seen.truths)}
+
+
+def _checked_inputs(cfg: ReplayConfig) -> tuple[list[str], Any, Any, dict[str, Any]]:
+    """What can be checked before any weights load: the modes, the bundle's spec, the
+    observation rule for its cameras and the bag (its metadata), with room for a timed frame."""
     from vla_accel_ros.core.robot.config import SyncConfig
-    from vla_accel_ros.io.bag_reader import BagReader
-    from vla_accel_ros.models.factory import load_bundle, read_model_spec
+    from vla_accel_ros.models.factory import read_model_spec
 
     cfg.validate()
     names = parse_modes(list(cfg.modes))
@@ -151,30 +188,50 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
             f"--warmup {cfg.warmup} leaves no frame to time: bag {bag_path} has at most {bag_info['frames']} "
             f"observations for cameras {', '.join(spec.cameras)} (use --warmup < {bag_info['frames']})"
         )
-    runs = build_runs(load_bundle(bundle_path), names, cfg, gate_observations=gate_frames_from_bag(bag_path, sync))
-    for r in runs:
-        r.reset()  # forget the parity gate's frames
-    ref = next(r.policy for r in runs if r.name == BASELINE)
-    flow_steps = getattr(ref, "num_steps", 0)  # policies that integrate a flow; 0: token decoding
-    noise_shape = ref.noise_shape or (spec.chunk_size, spec.action_dim)  # token decoding ignores it
+    return names, spec, sync, bag_info
 
-    frame_episodes: list[int] = []
-    frame_stamps: list[int] = []
-    obs_ages: list[float] = []  # ms, of the timed frames' observations when their inference started
-    episodes: dict[int, dict[str, Any]] = {}
-    timed_frames: dict[int, str] = {}  # stamp -> instruction, of the timed frames
-    truths: dict[int, list[str] | None] = {}  # stamp -> the ground-truth reasoning (reasoning bundles)
-    processed = 0
-    prev_episode: int | None = None
-    expected = bag_info["frames"]
-    if cfg.max_frames:
-        expected = min(expected, cfg.warmup + cfg.max_frames)
 
-    def record(r: ModeRun, chunks: list) -> None:
+@dataclass
+class _Replayed:
+    """What one pass over the bag saw, besides what each mode measured (in its ModeRun)."""
+
+    processed: int = 0  # observations, warm-up included
+    frame_episodes: list[int] = field(default_factory=list)  # of the timed frames
+    frame_stamps: list[int] = field(default_factory=list)
+    obs_ages: list[float] = field(default_factory=list)  # ms, of the timed frames' observations when their inference started
+    episodes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    timed_frames: dict[int, str] = field(default_factory=dict)  # stamp -> instruction, of the timed frames
+    truths: dict[int, list[str] | None] = field(default_factory=dict)  # stamp -> the ground-truth reasoning (reasoning bundles)
+    skipped: dict[str, int] = field(default_factory=dict)  # the bag's messages left out, by reason
+
+    def enter(self, obs, spec, timed: bool) -> None:
+        """Count a new observation in its episode; a timed one's stamp (and reasoning truth)."""
+        ep = self.episodes.setdefault(obs.episode, {"index": obs.episode, "instruction": obs.instruction, "frames": 0})
+        ep["frames"] += 1
+        if timed:
+            self.timed_frames[obs.stamp_ns] = obs.instruction
+            if spec.reasoning_words:  # one simulator step per recorded frame of an episode
+                self.truths[obs.stamp_ns] = truth_words(task_of_instruction(obs.instruction), ep["frames"] - 1, obs.state)
+
+    def record(self, run: ModeRun, chunks: list, spec) -> None:
+        """The chunks of timed frames into ``run``'s measurements (warm-up chunks are dropped)."""
         for chunk in chunks:
-            if chunk.stamp_ns in timed_frames:
-                r.record(chunk, spec, timed_frames[chunk.stamp_ns])
+            if chunk.stamp_ns in self.timed_frames:
+                run.record(chunk, spec, self.timed_frames[chunk.stamp_ns])
 
+
+def _replay_frames(cfg: ReplayConfig, runs: list[ModeRun], spec, sync, frames: int, progress: bool) -> _Replayed:
+    """Every observation of the bag through every mode, in an order that rotates per frame;
+    a new episode first finishes and resets every mode."""
+    from vla_accel_ros.bench.progress import progress_bar
+    from vla_accel_ros.io.bag_reader import BagReader
+
+    bag_path = Path(cfg.bag)
+    ref = next(r.policy for r in runs if r.name == BASELINE)
+    noise_shape = ref.noise_shape or (spec.chunk_size, spec.action_dim)  # token decoding ignores it
+    seen = _Replayed()
+    prev_episode: int | None = None
+    expected = min(frames, cfg.warmup + cfg.max_frames) if cfg.max_frames else frames
     bar = progress_bar(expected, "replay", "frame", enabled=progress)
     with BagReader(bag_path) as bag, bar:
         for sample in bag.samples(sync):
@@ -183,60 +240,33 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
                 raise BagError(f"bag {bag_path}: observation at {obs.stamp_ns} ns has no state; bundle {spec.name} needs one")
             if prev_episode is not None and obs.episode != prev_episode:
                 for r in runs:  # a new episode: nothing carried over (the cache also keys on it)
-                    record(r, r.flush(timed=bool(frame_episodes)))
+                    seen.record(r, r.flush(timed=bool(seen.frame_episodes)), spec)
                     r.reset()
             prev_episode = obs.episode
-            ep = episodes.setdefault(obs.episode, {"index": obs.episode, "instruction": obs.instruction, "frames": 0})
-            ep["frames"] += 1
-            noise = frame_noise(cfg.seed, processed, noise_shape)
-            timed = processed >= cfg.warmup
-            if timed:
-                timed_frames[obs.stamp_ns] = obs.instruction
-                if spec.reasoning_words:  # one simulator step per recorded frame of an episode
-                    truths[obs.stamp_ns] = truth_words(task_of_instruction(obs.instruction), ep["frames"] - 1, obs.state)
-            k = processed % len(runs)
+            timed = seen.processed >= cfg.warmup
+            seen.enter(obs, spec, timed)
+            noise = frame_noise(cfg.seed, seen.processed, noise_shape)
+            k = seen.processed % len(runs)
             for r in runs[k:] + runs[:k]:  # rotate who runs first
                 t0 = time.perf_counter_ns()
                 chunks = r.step(obs, noise)
                 if timed:
                     r.call_ms.append((time.perf_counter_ns() - t0) / 1e6)
-                record(r, chunks)
+                seen.record(r, chunks, spec)
             if timed:
-                frame_episodes.append(obs.episode)
-                frame_stamps.append(obs.stamp_ns)
-                obs_ages.append(sample.age_ms)
-            processed += 1
+                seen.frame_episodes.append(obs.episode)
+                seen.frame_stamps.append(obs.stamp_ns)
+                seen.obs_ages.append(sample.age_ms)
+            seen.processed += 1
             bar.update(1)
             if timed and progress:
                 bar.set_postfix_str(" ".join(f"{r.name} {statistics.median(r.call_ms):.0f}ms" for r in runs))
-            if cfg.max_frames and len(frame_episodes) >= cfg.max_frames:
+            if cfg.max_frames and len(seen.frame_episodes) >= cfg.max_frames:
                 break
-        skipped = dict(bag.skipped)
-    for r in runs:  # the frames still in flight, then bookkeeping (not between two timed inferences)
-        record(r, r.flush(timed=bool(frame_episodes)))
-        r.flops = [estimate_flops(spec, w, flow_steps=flow_steps) for w in r.work]
-    if not frame_episodes:
-        raise BagError(
-            f"bag {bag_path} yielded {processed} observation(s) for cameras {', '.join(spec.cameras)}, none after "
-            f"the {cfg.warmup} warm-up frame(s); record a longer bag or lower --warmup"
-        )
-    meta = {
-        "schema": SCHEMA,
-        "command": command,
-        "bag": {**bag_info, "observations": processed, "skipped": skipped, "episodes": list(episodes.values()),
-                # each observation is inferred on as it is made: its age then, on the bag's clock
-                "observation_age_ms": distribution(obs_ages)},  # fmt: skip
-        "bundle": _bundle_info(bundle_path, spec, ref, flow_steps),
-        "frames": len(frame_episodes),
-        "warmup": min(cfg.warmup, processed),
-        "seed": cfg.seed,
-        "mode_order": names,
-        "machine": machine_info(),
-        "flops_formula": FORMULA,
-        "frame_episodes": frame_episodes,
-        "frame_stamps_ns": frame_stamps,
-    }
-    return {**meta, "modes": summarize(runs, spec, truths)}
+        seen.skipped = dict(bag.skipped)
+    for r in runs:  # the frames still in flight
+        seen.record(r, r.flush(timed=bool(seen.frame_episodes)), spec)
+    return seen
 
 
 # ------------------------------------------------------------------------------ summaries
