@@ -1,7 +1,7 @@
 """The Triton kernels for CUDA devices (kernels/triton_ops.py, opt-in with its register()).
 No GPU here: they run in Triton's CPU interpreter against the PyTorch reference
 (test/triton_interpreted.py) and Triton compiles them ahead of time for sm_80 / sm_90 down to a
-cubin (test/triton_aot.py); they have never run on a GPU. Both run in processes of their own
+cubin (test/triton_aot.py); on a GPU they ran once, by hand (docs/runtime.md). Both run in processes of their own
 with Triton on the path: it is installed apart (.venv/triton, see requirements-triton.txt),
 because torch imports it into every process once it is importable, and importing it after the
 simulator rendered through EGL crashes."""

@@ -1,11 +1,13 @@
 """The Triton kernels (kernels/triton_ops.py) against the PyTorch reference, in Triton's CPU
-interpreter. Not collected on its own (no ``test_`` prefix): ``test_triton_kernels.py`` runs it
-in a process of its own with TRITON_INTERPRET=1 set before Triton is imported, which the
-interpreter needs (Triton decides per function, when it is decorated, whether it interprets).
+interpreter, or compiled on a CUDA device. Not collected on its own (no ``test_`` prefix):
+``test_triton_kernels.py`` runs it in a process of its own with TRITON_INTERPRET=1 set before
+Triton is imported, which the interpreter needs (Triton decides per function, when it is
+decorated, whether it interprets). On a machine with a GPU, ``VLA_TRITON_DEVICE=cuda python -m
+pytest test/triton_interpreted.py`` runs the same checks compiled, every tensor on the GPU
+(torch's default device; run on an H100 on 2026-11-27, docs/runtime.md).
 
-There is no GPU here: this checks what the kernels compute (indexing, masking, the online
-softmax, grouped heads, dtypes), not that they compile for a GPU or how fast they are there;
-they have never run on one."""
+Interpreted, this checks what the kernels compute (indexing, masking, the online softmax,
+grouped heads, dtypes), not how fast they are."""
 
 from __future__ import annotations
 
@@ -19,12 +21,15 @@ from vla_accel_ros.core.kv_cache import Block, Segment
 from vla_accel_ros.kernels import triton_ops as T_module
 from vla_accel_ros.kernels.reference import ReferenceKernels as R
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_triton_kernels.py"
+ON_GPU = os.environ.get("VLA_TRITON_DEVICE") == "cuda"
+assert os.environ.get("TRITON_INTERPRET") == "1" or ON_GPU, "run through test_triton_kernels.py"
+if ON_GPU:
+    torch.set_default_device("cuda")  # every tensor the checks make, the model's weights too
 
 
 @pytest.fixture
 def T():
-    assert T_module._INTERPRETED
+    assert T_module._INTERPRETED != ON_GPU
     return T_module
 
 
