@@ -41,7 +41,7 @@ def test_bench_cache_flow_reports_deviation_in_std(tiny_bundles, tmp_path):
 
 
 def test_bench_cache_rejects_bad_overrides(tiny_bundles, capsys):
-    from vla_accel_ros.cli.cache_bench_cmd import parse_overrides
+    from vla_accel_ros.cli.options import parse_overrides
 
     assert parse_overrides(["sim_threshold=0.9", "reuse_layers=[2,3]", "layer_schedule=entropy"]) == {
         "sim_threshold": 0.9, "reuse_layers": [2, 3], "layer_schedule": "entropy",

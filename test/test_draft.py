@@ -13,6 +13,7 @@ pytest.importorskip("gym_aloha", reason="requirements-sim.txt is not installed")
 pytest.importorskip("rosbags", reason="requirements-sim.txt is not installed")
 
 from helpers import record_sim_bag  # noqa: E402
+from vla_accel_ros.bench import modes as bm  # noqa: E402
 from vla_accel_ros.bench import replay as rp  # noqa: E402
 from vla_accel_ros.bench.report import markdown  # noqa: E402
 from vla_accel_ros.core.bundle import load_bundle  # noqa: E402
@@ -103,11 +104,24 @@ def test_a_wrong_draft_is_cut_at_its_first_wrong_token(tiny_bundles, frames):
 
 
 def test_flow_and_the_pipelined_decode_leave_the_draft_alone(tiny_bundles, frames):
+    """A flow bundle ignores the option; ActionFlow's pipelined decode over a drafting ar policy
+    neither drafts (no draft rows, the tokens of the pipeline over a plain policy) nor replaces
+    the draft the policy holds."""
     flow = load_policy(tiny_bundles["flow"], PolicyConfig(parity_check=False, action_draft="previous"))
     assert "draft_rows" not in flow.infer(frames[0]).stats
-    _, drafted = _policies(tiny_bundles["ar"])
-    pipe = drafted.pipeline(depth=2)
-    assert pipe is not None
+    plain, drafted = _policies(tiny_bundles["ar"])
+    drafted.infer(frames[-1])  # a draft the pipeline must neither use nor replace
+    held = (list(drafted.draft.tokens), drafted.draft.key)
+
+    def pipelined(policy) -> list:
+        pipe = policy.pipeline(depth=2)
+        return [c for obs in frames for c in pipe.push(obs)] + pipe.flush()
+
+    ours, reference = pipelined(drafted), pipelined(plain)
+    assert len(ours) == len(frames) == len(reference)
+    assert [c.stats["action_tokens"] for c in ours] == [c.stats["action_tokens"] for c in reference]
+    assert not any(c.stats.get("draft_rows") or c.stats.get("draft_accepted") for c in ours)
+    assert (drafted.draft.tokens, drafted.draft.key) == held
 
 
 def test_replay_runs_the_draft_modes(bag, tiny_bundles, tmp_path):
@@ -127,4 +141,4 @@ def test_replay_runs_the_draft_modes(bag, tiny_bundles, tmp_path):
     assert "Action draft" in markdown(rep, [])
     flow = tiny_bundles["flow"]
     with pytest.raises(ConfigError, match="draft ar action tokens"):
-        rp.build_runs(load_bundle(flow), ["baseline", "draft"], rp.ReplayConfig(bag=bag, bundle=flow))
+        bm.build_runs(load_bundle(flow), ["baseline", "draft"], rp.ReplayConfig(bag=bag, bundle=flow))

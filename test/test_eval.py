@@ -167,7 +167,7 @@ def test_open_loop_error_does_not_inherit_the_closed_loops_motion_mode(tiny_bund
     import numpy as np
 
     from vla_accel_ros.bench import eval as ev
-    from vla_accel_ros.bench.replay import build_runs
+    from vla_accel_ros.bench.modes import build_runs
     from vla_accel_ros.core.bundle import load_bundle
     from vla_accel_ros.core.robot.safety import default_limits
 
@@ -193,7 +193,7 @@ def test_first_chunk_spread_is_zero_for_a_policy_blind_to_its_images(tiny_bundle
     import torch
 
     from vla_accel_ros.bench import eval as ev
-    from vla_accel_ros.bench.replay import build_runs
+    from vla_accel_ros.bench.modes import build_runs
     from vla_accel_ros.core.bundle import load_bundle
     from vla_accel_ros.core.robot.safety import default_limits
 

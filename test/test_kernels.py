@@ -1,4 +1,5 @@
-"""Every registered kernel set agrees with the PyTorch reference."""
+"""Every registered kernel set, on each device of this machine it supports, writes K/V and
+attends as the formula says (softmax(q k^T * scale) v under the mask, per kv head group)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,46 @@ import torch
 
 from vla_accel_ros import kernels
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-@pytest.mark.parametrize("name", kernels.available())
-def test_kernel_set_matches_reference(name):
-    ks = kernels.get_kernels("cpu", prefer=name) if name == "reference" else pytest.skip(f"{name}: not on CPU")
+
+def _supported() -> list[tuple[str, str]]:
+    """(kernel set, device) for every registered set and every device here it supports."""
+    out = []
+    for name in kernels.available():
+        for device in DEVICES:
+            try:
+                kernels.get_kernels(device, prefer=name)
+            except ValueError:  # the set does not run on this device
+                continue
+            out.append((name, device))
+    return out
+
+
+SUPPORTED = _supported()
+
+
+def test_the_reference_set_runs_everywhere():
+    assert [(n, d) for n, d in SUPPORTED if n == "reference"] == [("reference", d) for d in DEVICES]
+
+
+@pytest.mark.parametrize("name,device", SUPPORTED, ids=[f"{n}-{d}" for n, d in SUPPORTED])
+def test_kernel_set_matches_the_formula(name, device):
+    ks = kernels.get_kernels(device, prefer=name)
     torch.manual_seed(0)
     B, Hq, Hkv, S, D, n = 1, 8, 2, 40, 16, 7
-    kc, vc = torch.zeros(B, Hkv, S, D), torch.zeros(B, Hkv, S, D)
-    slots = torch.tensor([0, 3, 4, 10, 11, 30, 39])
-    k, v = torch.randn(B, Hkv, n, D), torch.randn(B, Hkv, n, D)
+    kc, vc = torch.zeros(B, Hkv, S, D, device=device), torch.zeros(B, Hkv, S, D, device=device)
+    slots = torch.tensor([0, 3, 4, 10, 11, 30, 39], device=device)
+    k, v = torch.randn(B, Hkv, n, D).to(device), torch.randn(B, Hkv, n, D).to(device)
     ks.write_kv(kc, vc, slots, k, v)
     assert torch.equal(kc[:, :, slots], k) and torch.equal(vc[:, :, slots], v)
     assert kc[:, :, 1].abs().sum() == 0  # untouched slots stay as they were
-    q = torch.randn(B, Hq, n, D)
-    mask = torch.rand(n, S) > 0.3
+    q = torch.randn(B, Hq, n, D).to(device)
+    mask = (torch.rand(n, S) > 0.3).to(device)
     mask[:, 0] = True
     kr, vr = kc.repeat_interleave(Hq // Hkv, 1), vc.repeat_interleave(Hq // Hkv, 1)
     scores = (q @ kr.transpose(-1, -2)) * 0.25
-    for m in (mask, torch.ones(n, S, dtype=torch.bool)):  # a mask without holes takes the unmasked path
+    for m in (mask, torch.ones(n, S, dtype=torch.bool, device=device)):  # a mask without holes takes the unmasked path
         out = ks.attend(q, kc, vc, m, 0.25)
         ref = scores.masked_fill(~m, float("-inf")).softmax(-1) @ vr
         assert (out - ref).abs().max() <= 1e-5

@@ -1,5 +1,8 @@
 """The ``pi0`` family: LeRobot 0.3.3 pi0 checkpoints imported and computed as LeRobot computes them
-(its own outputs in ``../shared/fixtures/pi0-lerobot``), on the package's engine."""
+(its own outputs in ``../shared/fixtures/pi0-lerobot``), on the package's engine.
+
+The fixture lives in ../shared only (CI has it): without it every test here skips and says so;
+with ``VLA_ACCEL_REQUIRE_SHARED=1`` (CI) they fail instead (test/helpers.py, ``shared_fixture``)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,8 @@ import random
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
+import helpers  # test/helpers.py
 import numpy as np
 import pytest
 import torch
@@ -22,8 +25,14 @@ from vla_accel_ros.models.factory import load_policy
 from vla_accel_ros.models.pi0.lerobot_import import import_lerobot
 from vla_accel_ros.models.reference import check_fixture, fixture_observation, load_fixture
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "pi0-lerobot"
-pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason=f"{FIXTURE} is missing (../shared beside the checkout)")
+FIXTURE = helpers.SHARED_FIXTURES / "pi0-lerobot"
+
+
+@pytest.fixture(autouse=True)
+def _the_fixture():
+    """Every test here reads LeRobot's pi0 outputs from ../shared (18 MB, not in the repository):
+    without it they skip, saying the pi0 family goes unchecked; in CI they fail instead."""
+    helpers.shared_fixture("pi0-lerobot", "the pi0 family (import, parity with LeRobot, bf16, replay)")
 
 
 @pytest.fixture(scope="module")

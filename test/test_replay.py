@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("gym_aloha", reason="requirements-sim.txt is not installed")
 pytest.importorskip("rosbags", reason="requirements-sim.txt is not installed")
 
+from vla_accel_ros.bench import modes as bm  # noqa: E402
 from vla_accel_ros.bench import replay as rp  # noqa: E402
 from vla_accel_ros.bench.flops import FrameWork, decoder_layer_flops, estimate_flops  # noqa: E402
 from vla_accel_ros.bench.report import PLOTS  # noqa: E402
@@ -39,7 +40,7 @@ def sim_bag(tmp_path_factory) -> Path:
 def replays(sim_bag, tiny_bundles, tmp_path_factory):
     """Both families replayed through the CLI once; each mode's calls recorded in order."""
     calls: list[tuple[str, int]] = []
-    original = rp.ModeRun.step
+    original = bm.ModeRun.step
 
     def recording_step(self, obs, noise):
         calls.append((self.name, obs.stamp_ns))
@@ -47,7 +48,7 @@ def replays(sim_bag, tiny_bundles, tmp_path_factory):
 
     out = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rp.ModeRun, "step", recording_step)
+        mp.setattr(bm.ModeRun, "step", recording_step)
         for fam in ("ar", "flow"):
             calls.clear()
             report = tmp_path_factory.mktemp(f"report_{fam}")
@@ -153,10 +154,10 @@ def test_frame_noise_is_deterministic_per_frame(tiny_bundles) -> None:
 
     spec = read_spec(tiny_bundles["flow"])
     shape = (spec.chunk_size, spec.action_dim)
-    a, b = rp.frame_noise(0, 3, shape), rp.frame_noise(0, 3, shape)
+    a, b = bm.frame_noise(0, 3, shape), bm.frame_noise(0, 3, shape)
     assert a.shape == (spec.chunk_size, spec.action_dim) and np.array_equal(a, b)
-    assert not np.array_equal(a, rp.frame_noise(0, 4, shape))
-    assert not np.array_equal(a, rp.frame_noise(1, 3, shape))
+    assert not np.array_equal(a, bm.frame_noise(0, 4, shape))
+    assert not np.array_equal(a, bm.frame_noise(1, 3, shape))
 
 
 def test_flops_formula() -> None:
@@ -247,20 +248,20 @@ def test_errors(sim_bag, tiny_bundles, tmp_path, capsys) -> None:
     with pytest.raises(BundleError):
         rp.run_replay(rp.ReplayConfig(bag=sim_bag, bundle=tmp_path))
     with pytest.raises(ConfigError):
-        rp.parse_modes("cache,cache")
+        bm.parse_modes("cache,cache")
 
 
 def test_mode_suffix_parsing():
-    m = rp.mode_of("cache+prune@int8+compile")
+    m = bm.mode_of("cache+prune@int8+compile")
     assert m.policy["accel"] == "cache+prune"
     assert m.policy["precision"] == {"lm": "int8", "expert": "int8", "compile": True}
-    assert rp.mode_of("baseline@compile").policy["precision"] == {"compile": True}
-    assert rp.mode_of("baseline@auto").policy["precision"]["vision"] == "auto"
-    assert "precision" not in rp.mode_of("cache").policy  # unsuffixed: fp32 eager
-    assert rp.parse_modes("baseline@bf16,cache@int8") == ["baseline", "baseline@bf16", "cache@int8"]
+    assert bm.mode_of("baseline@compile").policy["precision"] == {"compile": True}
+    assert bm.mode_of("baseline@auto").policy["precision"]["vision"] == "auto"
+    assert "precision" not in bm.mode_of("cache").policy  # unsuffixed: fp32 eager
+    assert bm.parse_modes("baseline@bf16,cache@int8") == ["baseline", "baseline@bf16", "cache@int8"]
     for bad in ("baseline@fp8", "baseline@", "baseline@bf16+int8", "warp@bf16", "transformers@bf16", "baseline@bf16+jit"):
         with pytest.raises(ConfigError):
-            rp.mode_of(bad)
+            bm.mode_of(bad)
 
 
 def test_replay_with_precision_suffix(sim_bag, tiny_bundles, tmp_path):
@@ -281,15 +282,15 @@ def test_prune_and_cache_overrides_reach_their_modes_only(sim_bag, tiny_bundles)
         bag=sim_bag, bundle=tiny_bundles["ar"], cache_overrides={"relevance_mode": "off"},
         prune_overrides={"keep_global": 48, "dynamic_layers": [0.25, 0.5]},
     )  # fmt: skip
-    both = rp.policy_config(rp.mode_of("cache+prune-aggressive"), cfg)
+    both = bm.policy_config(bm.mode_of("cache+prune-aggressive"), cfg)
     assert both.prune.keep_global == 48 and both.prune.keep_local == 32  # the override over the preset
     assert both.prune.dynamic_layers == (0.25, 0.5) and both.cache.relevance_mode == "off"
-    prune = rp.policy_config(rp.mode_of("prune"), cfg)
+    prune = bm.policy_config(bm.mode_of("prune"), cfg)
     assert prune.prune.keep_global == 48 and prune.cache.relevance_mode == "threshold"
-    assert rp.policy_config(rp.mode_of("cache"), cfg).prune == PruneConfig()
+    assert bm.policy_config(bm.mode_of("cache"), cfg).prune == PruneConfig()
     bad = dataclasses.replace(cfg, prune_overrides={"keep_global": 300})
     with pytest.raises(ConfigError, match="keep_global"):
-        rp.policy_config(rp.mode_of("prune"), bad)
+        bm.policy_config(bm.mode_of("prune"), bad)
 
 
 def test_pipelined_throughput_counts_the_drain_at_episode_ends(sim_bag, tiny_bundles):

@@ -248,7 +248,7 @@ def test_instructions_are_bounded_in_the_log_and_by_the_model(policy_graph, capf
     it (stderr, captured at the file descriptor)."""
     from std_msgs.msg import String
 
-    from vla_accel_ros.ros.common import capped
+    from vla_accel_ros.ros.drops import capped
 
     node, probe = policy_graph
     pub = probe.create_publisher(String, graph.INSTRUCTION, qos.LATCHED)
@@ -506,7 +506,7 @@ def test_node_processes_return_freed_frames_to_the_system():
 
     code = (
         "import threading, numpy as np\n"
-        "from vla_accel_ros.ros.common import return_freed_frames_to_the_system\n"
+        "from vla_accel_ros.ros.process_tuning import return_freed_frames_to_the_system\n"
         "assert return_freed_frames_to_the_system()\n"
         "rss = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1]) // 1024\n"
         "keep = []\n"
@@ -644,7 +644,7 @@ def test_a_recorder_interrupted_while_it_is_built_closes_its_bag(ros_context, tm
 _SPUN_NODE = """
 import os, signal, sys, threading
 from rclpy.node import Node
-from vla_accel_ros.ros.common import spin_node
+from vla_accel_ros.ros.spin import spin_node
 
 class Spun(Node):
     def __init__(self):
@@ -705,7 +705,7 @@ def test_a_callback_still_running_after_ctrl_c_is_named_and_the_process_still_en
     import subprocess
     import time
 
-    from vla_accel_ros.ros.common import DRAIN_TIMEOUT_S
+    from vla_accel_ros.ros.spin import DRAIN_TIMEOUT_S
 
     body = """
     def tick(self):
@@ -747,7 +747,7 @@ def test_ctrl_c_at_any_moment_of_a_busy_executors_dispatch_ends_spin_node(ros_do
 import faulthandler, os, random, signal, threading
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.node import Node
-from vla_accel_ros.ros.common import spin_node
+from vla_accel_ros.ros.spin import spin_node
 
 rng = random.Random(0)
 

@@ -162,7 +162,7 @@ def sim_graph(ros_context):
     from rclpy.parameter import Parameter
 
     from vla_accel_ros.ros.aloha_sim_node import AlohaSimNode
-    from vla_accel_ros.ros.common import drain_executor
+    from vla_accel_ros.ros.executors import drain_executor
 
     started = []
     executor = MultiThreadedExecutor(num_threads=4, context=ros_context)

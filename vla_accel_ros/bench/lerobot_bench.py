@@ -34,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from vla_accel_ros.bench.replay import BASELINE, ReplayConfig, build_runs, frame_noise, machine_info, parse_modes
+from vla_accel_ros.bench.machine import machine_info
+from vla_accel_ros.bench.modes import BASELINE, build_runs, frame_noise, parse_modes
+from vla_accel_ros.bench.replay import ReplayConfig
 from vla_accel_ros.bench.stats import distribution
 from vla_accel_ros.core.errors import BagError, ConfigError, VlaAccelError
 
@@ -136,8 +138,12 @@ class LeRobotWorker:
         import torch
         from safetensors.torch import load_file, save_file
 
+        from vla_accel_ros.models.lerobot_compat import frame_tensor
+
         self.n += 1
-        tensors = {f"observation.images.{lerobot_cam}": _chw01(obs.images[cam]) for lerobot_cam, cam in cameras.items()}
+        # LeRobot reads frames as [3, h, w] floats in [0, 1]; safetensors writes contiguous tensors only.
+        tensors = {f"observation.images.{lerobot_cam}": frame_tensor(obs.images[cam], cam).contiguous()
+                   for lerobot_cam, cam in cameras.items()}  # fmt: skip
         tensors["observation.state"] = torch.from_numpy(np.asarray(obs.state, np.float32))
         tensors["noise"] = torch.from_numpy(noise)[None]
         name = f"r{self.n}"
@@ -155,15 +161,6 @@ class LeRobotWorker:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _chw01(image: np.ndarray):
-    """A camera frame [h, w, 3] uint8 -> [3, h, w] float in [0, 1], as LeRobot reads frames."""
-    import torch
-
-    a = np.asarray(image)
-    t = torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1)
-    return (t.float() / 255.0 if a.dtype == np.uint8 else t.float()).contiguous()
 
 
 def _deviation(a: list[np.ndarray], b: list[np.ndarray], std: np.ndarray) -> dict[str, float]:

@@ -15,9 +15,6 @@ Nothing here imports rclpy: bags are read through ``vla_accel_ros.io.bag_reader`
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,134 +23,20 @@ from typing import Any
 
 import numpy as np
 
-from vla_accel_ros.bench.cache_bench import PRESETS, STAGES
-from vla_accel_ros.bench.flops import FORMULA, FrameWork, estimate_flops, work_from_stats
+from vla_accel_ros.bench.cache_bench import STAGES
+from vla_accel_ros.bench.flops import FORMULA, estimate_flops
+from vla_accel_ros.bench.machine import machine_info
+from vla_accel_ros.bench.modes import BASELINE, ModeRun, build_runs, check_overrides, frame_noise, parse_modes
 from vla_accel_ros.bench.reasoning import reasoning_summary, truth_words
 from vla_accel_ros.bench.stats import action_deviation, action_std, distribution, percentile
 from vla_accel_ros.core.errors import BagError, ConfigError
 from vla_accel_ros.models.family import get_family
 from vla_accel_ros.sim.aloha import task_of_instruction
 
+# bench/eval.py and bench/lerobot_eval.py still import these from here; they belong to bench.modes.
+from vla_accel_ros.bench.modes import Mode, mode_of, policy_config  # noqa: F401
+
 SCHEMA = "vla_accel_ros.replay/1"
-
-
-@dataclass(frozen=True)
-class Mode:
-    """A benchmark mode: PolicyConfig fields (nested ``cache`` as a dict) and how to call it."""
-
-    policy: dict[str, Any]
-    reference: bool = False  # call reference_infer (plain transformers) instead of infer
-    doc: str = ""
-    pipelined: bool = False  # ar: ActionFlow's pipelined decode (models.pipeline.PipelinedAr)
-
-
-# Named pruning configurations (overrides of PruneConfig()).
-PRUNE_PRESETS: dict[str, dict[str, Any]] = {
-    # Static pruning only (self-speculation, global, dynamic tokens), no layer-level pruning.
-    "static": {"dynamic_layers": ()},
-    # Fewer tokens kept at every stage.
-    "aggressive": {"keep_global": 32, "keep_local": 32, "keep_dynamic": 16, "dynamic_keep": 0.7},
-}
-
-# Adding a mode is one line here.
-MODES: dict[str, Mode] = {
-    "baseline": Mode({"accel": "none"}, doc="the engine, full prefix recompute every frame (the reference)"),
-    "transformers": Mode({"accel": "none"}, reference=True, doc="transformers' own forward and DynamicCache"),
-    "cache": Mode({"accel": "cache"}, doc="VLA-Cache token reuse, default settings"),
-    **{
-        f"cache-{name}": Mode({"accel": "cache", "cache": dict(preset)}, doc=f"token cache, bench preset {name!r}")
-        for name, preset in PRESETS.items()
-        if name != "default"
-    },
-    "prune": Mode({"accel": "prune"}, doc="SpecPrune-VLA token pruning, default settings"),
-    **{
-        f"prune-{name}": Mode({"accel": "prune", "prune": dict(p)}, doc=f"token pruning, preset {name!r}")
-        for name, p in PRUNE_PRESETS.items()
-    },
-    "cache+prune": Mode({"accel": "cache+prune"}, doc="token cache and pruning in one plan, default settings"),
-    "cache+prune-aggressive": Mode(
-        {"accel": "cache+prune", "prune": dict(PRUNE_PRESETS["aggressive"])}, doc="token cache with aggressive pruning"
-    ),
-    **{
-        "pipelined" + ("" if accel == "none" else f"+{accel}"): Mode(
-            {"accel": accel}, pipelined=True,
-            doc="ar: prefill of each frame packed with the decode steps of the frames in flight"
-            + ("" if accel == "none" else f", prefix planned by {accel}"),
-        )  # fmt: skip
-        for accel in ("none", "cache", "prune", "cache+prune")
-    },
-    # MEMO-VLM, reasoning bundles only: the previous reasoning validated in the prefill.
-    **{
-        "memo" + ("" if accel == "none" else f"+{accel}"): Mode(
-            {"accel": accel, "memo": {"mode": "calibrated"}},
-            doc="reasoning reuse with calibrated thresholds" + ("" if accel == "none" else f", prefix planned by {accel}"),
-        )  # fmt: skip
-        for accel in ("none", "cache", "prune", "cache+prune")
-    },
-    "memo-exact": Mode({"accel": "none", "memo": {"mode": "exact"}}, doc="reasoning reuse where a word must be the argmax"),
-    # ar: the previous chunk's action tokens verified in the prefill (exact greedy tokens).
-    **{
-        ("" if accel == "none" else f"{accel}+") + "draft": Mode(
-            {"accel": accel, "action_draft": "previous"},
-            doc="ar: the previous chunk's action tokens drafted in the prefill, decode from the first rejected one"
-            + ("" if accel == "none" else f", prefix planned by {accel}"),
-        )  # fmt: skip
-        for accel in ("none", "cache", "prune", "cache+prune")
-    },
-    "memo+draft": Mode(
-        {"accel": "none", "memo": {"mode": "calibrated"}, "action_draft": "previous"},
-        doc="reasoning reuse with calibrated thresholds, then the previous action tokens drafted after <act>",
-    ),
-    "memo-exact+draft": Mode(
-        {"accel": "none", "memo": {"mode": "exact"}, "action_draft": "previous"},
-        doc="exact reasoning reuse, then the previous action tokens drafted after <act> (equals greedy decoding)",
-    ),
-}
-BASELINE = "baseline"
-COMPILE = "compile"
-
-
-def mode_of(name: str) -> Mode:
-    """The mode a name runs: one of :data:`MODES`, optionally with a runtime suffix
-    ``@<precision preset>[+compile]`` or ``@compile`` (e.g. ``baseline@bf16``,
-    ``cache+prune@int8+compile``): the base mode at that precision (presets of
-    :data:`vla_accel_ros.core.precision.PRESETS`), compiled or eager. Unsuffixed: fp32 eager."""
-    from vla_accel_ros.core.precision import PRESETS, preset
-
-    base, at, suffix = name.partition("@")
-    if base not in MODES:
-        raise ConfigError(f"unknown mode {base!r}; choose from {', '.join(MODES)} (with @<precision>[+compile])")
-    mode = MODES[base]
-    if not at:
-        return mode
-    parts = suffix.split("+")
-    compiled = parts[-1] == COMPILE
-    if compiled:
-        parts = parts[:-1]
-    if len(parts) > 1 or parts == [""]:
-        raise ConfigError(f"mode {name!r}: the suffix is @<precision>[+compile] or @compile, precision one of {', '.join(PRESETS)}")
-    precision = preset(parts[0]) if parts else {}
-    if mode.reference and (compiled or any(v != "fp32" for v in precision.values())):
-        raise ConfigError(f"mode {name!r}: the transformers path runs fp32 eager (it is the reference)")
-    what = (parts[0] if parts else "fp32") + (", compiled" if compiled else "")
-    policy = {**mode.policy, "precision": {**precision, "compile": compiled}}
-    return dataclasses.replace(mode, policy=policy, doc=f"{mode.doc} ({what})")
-
-
-def parse_modes(text: str | list[str] | tuple[str, ...]) -> list[str]:
-    """Mode names in run order; the baseline is added first when missing (speedup and
-    deviation are measured against it)."""
-    names = [m.strip() for m in text.split(",")] if isinstance(text, str) else [m.strip() for m in text]
-    names = [m for m in names if m]
-    if not names:
-        raise ConfigError(f"--modes names no mode ({text!r}); choose from {', '.join(MODES)}")
-    for m in names:
-        mode_of(m)  # ConfigError for an unknown mode or suffix
-    if len(set(names)) != len(names):
-        raise ConfigError(f"--modes lists a mode twice: {','.join(names)}")
-    if BASELINE not in names:
-        names.insert(0, BASELINE)
-    return names
 
 
 @dataclass
@@ -227,137 +110,6 @@ def inspect_bag(path: Path, spec) -> dict[str, Any]:
         }
 
 
-# ------------------------------------------------------------------------------ modes
-
-
-@dataclass
-class ModeRun:
-    """One mode's policy and everything it measured on the timed frames."""
-
-    name: str
-    mode: Mode
-    policy: Any
-    config: dict[str, Any]
-    latency: list[float] = field(default_factory=list)
-    stages: list[dict[str, float]] = field(default_factory=list)
-    stats: list[dict[str, Any]] = field(default_factory=list)
-    actions: list[np.ndarray] = field(default_factory=list)
-    tokens: list[list[int]] = field(default_factory=list)
-    flops: list[dict[str, float]] = field(default_factory=list)
-    work: list[FrameWork] = field(default_factory=list)  # what each timed inference computed
-
-    call_ms: list[float] = field(default_factory=list)  # each timed frame's call (the mode's cost per frame)
-    flush_ms: float = 0.0  # finishing the frames in flight at episode ends, once timing began (pipelined)
-    stamps: list[int] = field(default_factory=list)  # of the recorded chunks' observations
-    pipeline: Any = None  # PipelinedAr for pipelined modes
-
-    def step(self, obs, noise: np.ndarray) -> list:
-        """Process one frame; the chunks that completed (pipelined: those of earlier frames)."""
-        if self.pipeline is not None:
-            return self.pipeline.push(obs)
-        if not self.mode.reference:
-            return [self.policy.infer(obs, noise=noise)]
-        return [self.policy.reference_infer(obs, noise=noise)]
-
-    def flush(self, timed: bool) -> list:
-        """The chunks still in flight; their decode work counts toward throughput once the
-        timed frames began (it is what those frames cost, only later)."""
-        if self.pipeline is None:
-            return []
-        t0 = time.perf_counter_ns()
-        chunks = self.pipeline.flush()
-        if timed:
-            self.flush_ms += (time.perf_counter_ns() - t0) / 1e6
-        return chunks
-
-    def reset(self) -> None:
-        (self.pipeline or self.policy).reset()
-
-    def record(self, chunk, spec, instruction: str) -> None:
-        """One timed frame's chunk (obs-to-action latency: for a pipelined chunk, the pipeline's
-        own compute from the call its frame entered in to the one it completed in)."""
-        st = chunk.stats
-        self.latency.append(float(st.get("staleness_busy_ms", chunk.timings_ms["total"])))
-        self.stages.append(dict(chunk.timings_ms))
-        self.stats.append(st)
-        self.stamps.append(int(chunk.stamp_ns))
-        self.actions.append(np.asarray(chunk.actions, dtype=np.float32))
-        if "action_tokens" in st:
-            self.tokens.append(list(st["action_tokens"]))
-        layout, _ = self.policy.layout_for(instruction)
-        self.work.append(work_from_stats(spec, st, layout.length, self.mode.reference))
-
-
-def check_overrides(cfg) -> None:
-    """``--cache`` / ``--prune`` / ``--precision`` values checked before anything runs, whether
-    or not a chosen mode uses them (a typo must not pass silently)."""
-    from vla_accel_ros.core.cache import CacheConfig
-    from vla_accel_ros.core.precision import PrecisionConfig
-    from vla_accel_ros.core.prune import PruneConfig
-
-    for flag, cls, values in (
-        ("--cache", CacheConfig, cfg.cache_overrides), ("--prune", PruneConfig, cfg.prune_overrides),
-        ("--precision", PrecisionConfig, getattr(cfg, "precision_overrides", {})),
-    ):  # fmt: skip
-        if values:
-            try:
-                cls.from_dict(values)
-            except ConfigError as e:
-                raise ConfigError(f"{flag} {', '.join(f'{k}={v}' for k, v in values.items())}: {e}") from None
-
-
-def policy_config(mode: Mode, cfg: ReplayConfig):
-    """The :class:`PolicyConfig` mode ``mode`` runs with under ``cfg`` (a replay or an eval
-    configuration): the mode's fields, the run's ``--cache`` / ``--prune`` / ``--precision``
-    overrides where the mode uses them, and the run-wide settings (parity gate, threads, flow
-    steps, seed). ConfigError for an invalid override."""
-    from vla_accel_ros.core.policy_config import PolicyConfig
-
-    fields = {k: (dict(v) if isinstance(v, dict) else v) for k, v in mode.policy.items()}
-    if fields.get("accel") in ("cache", "cache+prune") and cfg.cache_overrides:
-        fields["cache"] = {**fields.get("cache", {}), **cfg.cache_overrides}
-    if fields.get("accel") in ("prune", "cache+prune") and getattr(cfg, "prune_overrides", None):
-        fields["prune"] = {**fields.get("prune", {}), **cfg.prune_overrides}
-    if "precision" in fields and getattr(cfg, "precision_overrides", None):
-        fields["precision"] = {**fields["precision"], **cfg.precision_overrides}
-    # The transformers path is what the parity gate compares against; gating it is moot.
-    fields.update(
-        parity_check=cfg.parity_check and not mode.reference, num_threads=cfg.num_threads, flow_steps=cfg.flow_steps,
-        seed=cfg.seed,
-    )  # fmt: skip
-    return PolicyConfig.from_dict(fields)
-
-
-def build_runs(bundle, names: list[str], cfg: ReplayConfig, gate_observations=None) -> list[ModeRun]:
-    """One policy per mode sharing one model's weights (one converted copy per precision); each
-    engine mode passes the parity gate (with ``cfg.parity_check``; on ``gate_observations``,
-    two frames, when given) before it is timed."""
-    from vla_accel_ros.models.factory import load_policy, sibling_policy
-
-    modes = {n: mode_of(n) for n in names}
-    configs = {n: policy_config(modes[n], cfg) for n in names}  # invalid overrides fail before loading
-    piped = [n for n in names if modes[n].pipelined]
-    family = get_family(bundle.spec.family)
-    if piped and not family.pipelines:
-        raise ConfigError(f"mode(s) {', '.join(piped)} pipeline ar decoding; bundle {bundle.spec.name} is {bundle.spec.family}")
-    drafted = [n for n in names if configs[n].action_draft != "off"]
-    if drafted and not family.token_actions:
-        raise ConfigError(f"mode(s) {', '.join(drafted)} draft ar action tokens; bundle {bundle.spec.name} is {bundle.spec.family}")
-    base = load_policy(bundle, configs[BASELINE])
-    converted: dict = {}  # one converted copy of the weights per precision
-    runs = []
-    for n in names:
-        gate = gate_observations if configs[n].precision.reduced else None
-        policy = base if n == BASELINE else sibling_policy(base, configs[n], converted=converted, gate_observations=gate)
-        run = ModeRun(n, modes[n], policy, configs[n].to_dict())
-        if modes[n].pipelined:
-            from vla_accel_ros.models.pipeline import PipelinedAr
-
-            run.pipeline = PipelinedAr(policy, steps=cfg.pipeline_steps, depth=cfg.pipeline_depth)
-        runs.append(run)
-    return runs
-
-
 # ------------------------------------------------------------------------------ the run
 
 
@@ -378,20 +130,50 @@ def gate_frames_from_bag(path: Path, sync, second: int = 10) -> tuple[Any, Any] 
     return None if last is None else (first, last)
 
 
-def frame_noise(seed: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
-    """The flow noise of frame ``index`` (``shape``: the policies' ``noise_shape``): the same in
-    every mode, reproducible across runs."""
-    rng = np.random.default_rng((seed, index))
-    return rng.standard_normal(shape).astype(np.float32)
-
-
 def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") -> dict[str, Any]:
     """Replay ``cfg.bag`` through ``cfg.bundle`` in every mode; returns the report (see
     :mod:`vla_accel_ros.bench.report`)."""
-    from vla_accel_ros.bench.progress import progress_bar
+    from vla_accel_ros.models.factory import load_bundle
+
+    names, spec, sync, bag_info = _checked_inputs(cfg)
+    bag_path, bundle_path = Path(cfg.bag), Path(cfg.bundle)
+    runs = build_runs(load_bundle(bundle_path), names, cfg, gate_observations=gate_frames_from_bag(bag_path, sync))
+    for r in runs:
+        r.reset()  # forget the parity gate's frames
+    ref = next(r.policy for r in runs if r.name == BASELINE)
+    flow_steps = getattr(ref, "num_steps", 0)  # policies that integrate a flow; 0: token decoding
+    seen = _replay_frames(cfg, runs, spec, sync, bag_info["frames"], progress)
+    for r in runs:  # bookkeeping after the bag, not between two timed inferences
+        r.flops = [estimate_flops(spec, w, flow_steps=flow_steps) for w in r.work]
+    if not seen.frame_episodes:
+        raise BagError(
+            f"bag {bag_path} yielded {seen.processed} observation(s) for cameras {', '.join(spec.cameras)}, none after "
+            f"the {cfg.warmup} warm-up frame(s); record a longer bag or lower --warmup"
+        )
+    meta = {
+        "schema": SCHEMA,
+        "command": command,
+        "bag": {**bag_info, "observations": seen.processed, "skipped": seen.skipped, "episodes": list(seen.episodes.values()),
+                # each observation is inferred on as it is made: its age then, on the bag's clock
+                "observation_age_ms": distribution(seen.obs_ages)},  # fmt: skip
+        "bundle": _bundle_info(bundle_path, spec, ref, flow_steps),
+        "frames": len(seen.frame_episodes),
+        "warmup": min(cfg.warmup, seen.processed),
+        "seed": cfg.seed,
+        "mode_order": names,
+        "machine": machine_info(),
+        "flops_formula": FORMULA,
+        "frame_episodes": seen.frame_episodes,
+        "frame_stamps_ns": seen.frame_stamps,
+    }
+    return {**meta, "modes": summarize(runs, spec, seen.truths)}
+
+
+def _checked_inputs(cfg: ReplayConfig) -> tuple[list[str], Any, Any, dict[str, Any]]:
+    """What can be checked before any weights load: the modes, the bundle's spec, the
+    observation rule for its cameras and the bag (its metadata), with room for a timed frame."""
     from vla_accel_ros.core.robot.config import SyncConfig
-    from vla_accel_ros.io.bag_reader import BagReader
-    from vla_accel_ros.models.factory import load_bundle, read_model_spec
+    from vla_accel_ros.models.factory import read_model_spec
 
     cfg.validate()
     names = parse_modes(list(cfg.modes))
@@ -406,30 +188,50 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
             f"--warmup {cfg.warmup} leaves no frame to time: bag {bag_path} has at most {bag_info['frames']} "
             f"observations for cameras {', '.join(spec.cameras)} (use --warmup < {bag_info['frames']})"
         )
-    runs = build_runs(load_bundle(bundle_path), names, cfg, gate_observations=gate_frames_from_bag(bag_path, sync))
-    for r in runs:
-        r.reset()  # forget the parity gate's frames
-    ref = next(r.policy for r in runs if r.name == BASELINE)
-    flow_steps = getattr(ref, "num_steps", 0)  # policies that integrate a flow; 0: token decoding
-    noise_shape = ref.noise_shape or (spec.chunk_size, spec.action_dim)  # token decoding ignores it
+    return names, spec, sync, bag_info
 
-    frame_episodes: list[int] = []
-    frame_stamps: list[int] = []
-    obs_ages: list[float] = []  # ms, of the timed frames' observations when their inference started
-    episodes: dict[int, dict[str, Any]] = {}
-    timed_frames: dict[int, str] = {}  # stamp -> instruction, of the timed frames
-    truths: dict[int, list[str] | None] = {}  # stamp -> the ground-truth reasoning (reasoning bundles)
-    processed = 0
-    prev_episode: int | None = None
-    expected = bag_info["frames"]
-    if cfg.max_frames:
-        expected = min(expected, cfg.warmup + cfg.max_frames)
 
-    def record(r: ModeRun, chunks: list) -> None:
+@dataclass
+class _Replayed:
+    """What one pass over the bag saw, besides what each mode measured (in its ModeRun)."""
+
+    processed: int = 0  # observations, warm-up included
+    frame_episodes: list[int] = field(default_factory=list)  # of the timed frames
+    frame_stamps: list[int] = field(default_factory=list)
+    obs_ages: list[float] = field(default_factory=list)  # ms, of the timed frames' observations when their inference started
+    episodes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    timed_frames: dict[int, str] = field(default_factory=dict)  # stamp -> instruction, of the timed frames
+    truths: dict[int, list[str] | None] = field(default_factory=dict)  # stamp -> the ground-truth reasoning (reasoning bundles)
+    skipped: dict[str, int] = field(default_factory=dict)  # the bag's messages left out, by reason
+
+    def enter(self, obs, spec, timed: bool) -> None:
+        """Count a new observation in its episode; a timed one's stamp (and reasoning truth)."""
+        ep = self.episodes.setdefault(obs.episode, {"index": obs.episode, "instruction": obs.instruction, "frames": 0})
+        ep["frames"] += 1
+        if timed:
+            self.timed_frames[obs.stamp_ns] = obs.instruction
+            if spec.reasoning_words:  # one simulator step per recorded frame of an episode
+                self.truths[obs.stamp_ns] = truth_words(task_of_instruction(obs.instruction), ep["frames"] - 1, obs.state)
+
+    def record(self, run: ModeRun, chunks: list, spec) -> None:
+        """The chunks of timed frames into ``run``'s measurements (warm-up chunks are dropped)."""
         for chunk in chunks:
-            if chunk.stamp_ns in timed_frames:
-                r.record(chunk, spec, timed_frames[chunk.stamp_ns])
+            if chunk.stamp_ns in self.timed_frames:
+                run.record(chunk, spec, self.timed_frames[chunk.stamp_ns])
 
+
+def _replay_frames(cfg: ReplayConfig, runs: list[ModeRun], spec, sync, frames: int, progress: bool) -> _Replayed:
+    """Every observation of the bag through every mode, in an order that rotates per frame;
+    a new episode first finishes and resets every mode."""
+    from vla_accel_ros.bench.progress import progress_bar
+    from vla_accel_ros.io.bag_reader import BagReader
+
+    bag_path = Path(cfg.bag)
+    ref = next(r.policy for r in runs if r.name == BASELINE)
+    noise_shape = ref.noise_shape or (spec.chunk_size, spec.action_dim)  # token decoding ignores it
+    seen = _Replayed()
+    prev_episode: int | None = None
+    expected = min(frames, cfg.warmup + cfg.max_frames) if cfg.max_frames else frames
     bar = progress_bar(expected, "replay", "frame", enabled=progress)
     with BagReader(bag_path) as bag, bar:
         for sample in bag.samples(sync):
@@ -438,60 +240,33 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") 
                 raise BagError(f"bag {bag_path}: observation at {obs.stamp_ns} ns has no state; bundle {spec.name} needs one")
             if prev_episode is not None and obs.episode != prev_episode:
                 for r in runs:  # a new episode: nothing carried over (the cache also keys on it)
-                    record(r, r.flush(timed=bool(frame_episodes)))
+                    seen.record(r, r.flush(timed=bool(seen.frame_episodes)), spec)
                     r.reset()
             prev_episode = obs.episode
-            ep = episodes.setdefault(obs.episode, {"index": obs.episode, "instruction": obs.instruction, "frames": 0})
-            ep["frames"] += 1
-            noise = frame_noise(cfg.seed, processed, noise_shape)
-            timed = processed >= cfg.warmup
-            if timed:
-                timed_frames[obs.stamp_ns] = obs.instruction
-                if spec.reasoning_words:  # one simulator step per recorded frame of an episode
-                    truths[obs.stamp_ns] = truth_words(task_of_instruction(obs.instruction), ep["frames"] - 1, obs.state)
-            k = processed % len(runs)
+            timed = seen.processed >= cfg.warmup
+            seen.enter(obs, spec, timed)
+            noise = frame_noise(cfg.seed, seen.processed, noise_shape)
+            k = seen.processed % len(runs)
             for r in runs[k:] + runs[:k]:  # rotate who runs first
                 t0 = time.perf_counter_ns()
                 chunks = r.step(obs, noise)
                 if timed:
                     r.call_ms.append((time.perf_counter_ns() - t0) / 1e6)
-                record(r, chunks)
+                seen.record(r, chunks, spec)
             if timed:
-                frame_episodes.append(obs.episode)
-                frame_stamps.append(obs.stamp_ns)
-                obs_ages.append(sample.age_ms)
-            processed += 1
+                seen.frame_episodes.append(obs.episode)
+                seen.frame_stamps.append(obs.stamp_ns)
+                seen.obs_ages.append(sample.age_ms)
+            seen.processed += 1
             bar.update(1)
             if timed and progress:
                 bar.set_postfix_str(" ".join(f"{r.name} {statistics.median(r.call_ms):.0f}ms" for r in runs))
-            if cfg.max_frames and len(frame_episodes) >= cfg.max_frames:
+            if cfg.max_frames and len(seen.frame_episodes) >= cfg.max_frames:
                 break
-        skipped = dict(bag.skipped)
-    for r in runs:  # the frames still in flight, then bookkeeping (not between two timed inferences)
-        record(r, r.flush(timed=bool(frame_episodes)))
-        r.flops = [estimate_flops(spec, w, flow_steps=flow_steps) for w in r.work]
-    if not frame_episodes:
-        raise BagError(
-            f"bag {bag_path} yielded {processed} observation(s) for cameras {', '.join(spec.cameras)}, none after "
-            f"the {cfg.warmup} warm-up frame(s); record a longer bag or lower --warmup"
-        )
-    meta = {
-        "schema": SCHEMA,
-        "command": command,
-        "bag": {**bag_info, "observations": processed, "skipped": skipped, "episodes": list(episodes.values()),
-                # each observation is inferred on as it is made: its age then, on the bag's clock
-                "observation_age_ms": distribution(obs_ages)},  # fmt: skip
-        "bundle": _bundle_info(bundle_path, spec, ref, flow_steps),
-        "frames": len(frame_episodes),
-        "warmup": min(cfg.warmup, processed),
-        "seed": cfg.seed,
-        "mode_order": names,
-        "machine": machine_info(),
-        "flops_formula": FORMULA,
-        "frame_episodes": frame_episodes,
-        "frame_stamps_ns": frame_stamps,
-    }
-    return {**meta, "modes": summarize(runs, spec, truths)}
+        seen.skipped = dict(bag.skipped)
+    for r in runs:  # the frames still in flight
+        seen.record(r, r.flush(timed=bool(seen.frame_episodes)), spec)
+    return seen
 
 
 # ------------------------------------------------------------------------------ summaries
@@ -628,23 +403,3 @@ def _bundle_info(path: Path, spec, policy, flow_steps: int) -> dict[str, Any]:
         info["flow_steps"] = flow_steps
         info["expert"] = {k: spec.expert.get(k) for k in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim")}
     return info
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = os.cpu_count()
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": usable,
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-    }

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from vla_accel_ros.cli import command
+from vla_accel_ros.cli.options import add_override_flags, check_output, overrides
 
 BENCHES = ("vla_accel_ros.cli.bench_cmd", "vla_accel_ros.cli.cache_bench_cmd", "vla_accel_ros.cli.sched_cmd")
 
@@ -51,9 +52,7 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     lr.add_argument("--sequential", action="store_true",
                     help="ours on every frame first, then (our weights freed) LeRobot: when both models do not fit in memory "
                     "together; the calls are then not interleaved")  # fmt: skip
-    lr.add_argument("--cache", action="append", default=[], metavar="FIELD=VALUE", help="CacheConfig override (repeatable)")
-    lr.add_argument("--prune", action="append", default=[], metavar="FIELD=VALUE", help="PruneConfig override (repeatable)")
-    lr.add_argument("--precision", action="append", default=[], metavar="FIELD=VALUE", help="PrecisionConfig override (repeatable)")
+    add_override_flags(lr, "cache", "prune", "precision")
     lr.add_argument("--report", type=Path, required=True, help="directory for report.json, report.md, latency.png")
     lr.set_defaults(func=_lerobot)
     o = command(
@@ -86,14 +85,6 @@ def parse_fractions(text: str, flag: str = "--reuse") -> tuple[float, ...]:
     if not out:
         raise ConfigError(f"{flag} {text!r} names no fraction; e.g. 0.4,0.6,0.8")
     return tuple(out)
-
-
-def check_output(path: Path | None, flag: str = "--json") -> None:
-    """Fail before a long run whose result could not be written."""
-    from vla_accel_ros.core.errors import ConfigError
-
-    if path is not None and not path.parent.is_dir():
-        raise ConfigError(f"{flag} {path}: directory {path.parent} does not exist")
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -146,14 +137,13 @@ def _lerobot(args: argparse.Namespace) -> int:
     import sys
 
     from vla_accel_ros.bench.lerobot_bench import LeRobotBenchConfig, run_lerobot_bench
-    from vla_accel_ros.cli.cache_bench_cmd import parse_overrides
 
     cfg = LeRobotBenchConfig(
         lerobot=args.lerobot, python=args.python, bag=args.bag, report=args.report, vlm=args.vlm, tokenizer=args.tokenizer,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), threads=args.threads,
         max_frames=args.max_frames, warmup=args.warmup, bundle=args.bundle, parity_check=not args.no_parity, sequential=args.sequential,
-        cache_overrides=parse_overrides(args.cache), prune_overrides=parse_overrides(args.prune, "--prune"),
-        precision_overrides=parse_overrides(args.precision, "--precision"),
+        cache_overrides=overrides(args, "cache"), prune_overrides=overrides(args, "prune"),
+        precision_overrides=overrides(args, "precision"),
     )  # fmt: skip
     result = run_lerobot_bench(cfg, command=" ".join(["vla-accel", *sys.argv[1:]]))
     le = result["lerobot"]["latency_ms"]["p50"]

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         from vla_accel_ros.ros import bringup, processes  # noqa: PLC0415 - imports rclpy
-        from vla_accel_ros.ros.common import stop_on_sigint  # noqa: PLC0415
+        from vla_accel_ros.ros.spin import stop_on_sigint  # noqa: PLC0415
     except ImportError as e:
         print(f"vla-accel bringup needs rclpy ({e}); run `make setup` or source a ROS 2 install")
         return 2

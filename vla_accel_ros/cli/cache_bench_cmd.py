@@ -6,8 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
-from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.cli import command
+from vla_accel_ros.cli.options import add_override_flags, check_output, overrides
+# cli/eval_cmd.py still imports parse_overrides from here; it belongs to cli.options now.
+from vla_accel_ros.cli.options import parse_overrides  # noqa: F401
+from vla_accel_ros.core.errors import ConfigError
 
 
 def register_bench(bsub: argparse._SubParsersAction) -> None:
@@ -22,10 +25,7 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
         "--presets", default="default,max-reuse",
         help="comma-separated cache configurations to run side by side: default, max-reuse, public-code, entropy, paper-rule",
     )  # fmt: skip
-    p.add_argument(
-        "--cache", action="append", default=[], metavar="FIELD=VALUE",
-        help="override a CacheConfig field for every preset (repeatable), e.g. --cache sim_threshold=0.99",
-    )  # fmt: skip
+    add_override_flags(p, "cache", applies_to="every preset")
     p.add_argument("--speed", type=float, default=1.0, help="arm speed of the synthetic sequence")
     p.add_argument("--noise", type=float, default=1.0, help="sensor noise std (pixel levels)")
     p.add_argument("--seed", type=int, default=0)
@@ -33,27 +33,11 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cache)
 
 
-def parse_overrides(items: list[str], flag: str = "--cache") -> dict:
-    """``FIELD=VALUE`` strings -> a dict; values are JSON when they parse (numbers, lists,
-    booleans), plain strings otherwise. The config they go to validates them."""
-    out = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"{flag} expects FIELD=VALUE, got {item!r}")
-        try:
-            out[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key.strip()] = raw
-    return out
-
-
 def _cache(args: argparse.Namespace) -> int:
     import torch
 
     from vla_accel_ros.bench.cache_bench import format_report, run_cache_bench
     from vla_accel_ros.bench.progress import progress_bar
-    from vla_accel_ros.cli.bench_cmd import check_output
 
     if args.frames < 1 or args.warmup < 1:
         raise ConfigError("--frames and --warmup must be at least 1 (the first cached frame is a full recompute)")
@@ -63,7 +47,7 @@ def _cache(args: argparse.Namespace) -> int:
     check_output(args.json)
     with progress_bar(args.warmup + args.frames, "bench cache", "frame") as bar:
         result = run_cache_bench(
-            args.bundle, presets=presets, overrides=parse_overrides(args.cache), frames=args.frames,
+            args.bundle, presets=presets, overrides=overrides(args, "cache"), frames=args.frames,
             warmup=args.warmup, seed=args.seed, speed=args.speed, noise=args.noise, on_frame=lambda _i: bar.update(1),
         )  # fmt: skip
     m = result["meta"]

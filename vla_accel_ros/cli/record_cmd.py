@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         from rclpy.executors import ExternalShutdownException  # noqa: PLC0415
         from rclpy.parameter import Parameter  # noqa: PLC0415
 
-        from vla_accel_ros.ros.common import make_executor, stop_on_sigint  # noqa: PLC0415
+        from vla_accel_ros.ros.executors import make_executor  # noqa: PLC0415
+        from vla_accel_ros.ros.spin import stop_on_sigint  # noqa: PLC0415
         from vla_accel_ros.ros.recorder import RecorderNode  # noqa: PLC0415
     except ImportError as e:
         print(f"vla-accel record needs rclpy ({e}); run `make setup` or source a ROS 2 install")

@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 from vla_accel_ros.cli import command
+from vla_accel_ros.cli.options import add_override_flags, overrides
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,25 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the per-frame flow noise (shared by all modes)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--flow-steps", type=int, default=0, help="flow: Euler steps per chunk (0: the bundle's)")
-    p.add_argument(
-        "--cache", action="append", default=[], metavar="FIELD=VALUE",
-        help="override a CacheConfig field in every cache mode (repeatable), e.g. --cache sim_threshold=0.99",
-    )  # fmt: skip
-    p.add_argument(
-        "--prune", action="append", default=[], metavar="FIELD=VALUE",
-        help="override a PruneConfig field in every pruning mode (repeatable), e.g. --prune keep_global=48",
-    )  # fmt: skip
+    add_override_flags(p, "cache", "prune")
     p.add_argument(
         "--sync", action="append", default=[], metavar="FIELD=VALUE",
         help="override a limit of the observation rule (SyncConfig: max_age_ms, max_skew_ms, max_future_ms, "
         "max_state_age_ms, image_size; default: the camera and policy nodes' values; the cameras are the bundle's), "
         "e.g. --sync max_skew_ms=100",
     )  # fmt: skip
-    p.add_argument(
-        "--precision", action="append", default=[], metavar="FIELD=VALUE",
-        help="override a PrecisionConfig field in every @precision mode (repeatable), e.g. a gate limit: "
-        "--precision gate_ar_min_identical_tokens=0.9",
-    )  # fmt: skip
+    add_override_flags(p, "precision")
     p.add_argument("--pipeline-depth", type=int, default=0, help="pipelined modes: frames in flight (0: derived)")
     p.add_argument("--pipeline-steps", type=int, default=0, help="pipelined modes: decode steps per frame (0: derived)")
     p.add_argument("--no-parity", action="store_true", help="skip the parity gate of the engine modes")
@@ -81,16 +71,13 @@ def command_line(args: argparse.Namespace) -> str:
 def _replay(args: argparse.Namespace) -> int:
     from vla_accel_ros.bench.replay import ReplayConfig, parse_modes, run_replay
     from vla_accel_ros.bench.report import check_report_dir, headline_text, write_report
-    from vla_accel_ros.cli.cache_bench_cmd import parse_overrides
 
     cfg = ReplayConfig(
         bag=Path(args.bag), bundle=Path(args.bundle), modes=tuple(parse_modes(args.modes)), warmup=args.warmup,
         max_frames=args.max_frames, seed=args.seed, parity_check=not args.no_parity, num_threads=args.threads,
-        flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
-        prune_overrides=parse_overrides(args.prune, "--prune"),
-        precision_overrides=parse_overrides(args.precision, "--precision"),
-        sync_overrides=parse_overrides(args.sync, "--sync"), pipeline_depth=args.pipeline_depth,
-        pipeline_steps=args.pipeline_steps,
+        flow_steps=args.flow_steps, cache_overrides=overrides(args, "cache"), prune_overrides=overrides(args, "prune"),
+        precision_overrides=overrides(args, "precision"), sync_overrides=overrides(args, "sync"),
+        pipeline_depth=args.pipeline_depth, pipeline_steps=args.pipeline_steps,
     )  # fmt: skip
     check_report_dir(args.report)
     result = run_replay(cfg, progress=not args.no_progress, command=command_line(args))

@@ -77,7 +77,12 @@ def get_kernels(device: torch.device | str = "cpu", prefer: str = "auto") -> Ker
     return _FACTORIES["reference"][0]()
 
 
-from . import reference as _reference  # noqa: E402  (registers itself)
+# The reference set is registered here, not by its module: the module then needs nothing of
+# this package's (no import cycle), and it runs on every device.
+from .reference import ReferenceKernels  # noqa: E402
+
+register("reference", ReferenceKernels, lambda device: True)
+
 from . import ops  # noqa: E402,F401  (torch.ops.vla_accel.*)
 
 __all__ = ["KernelSet", "available", "get_kernels", "register"]

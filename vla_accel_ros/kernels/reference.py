@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import register
-
 
 class ReferenceKernels:
     name = "reference"
@@ -41,6 +39,3 @@ def attend_shared(q, k, v, key_mask: torch.Tensor | None, scale: float) -> torch
 def attend_masked(q, k, v, mask, scale: float) -> torch.Tensor:
     """Attention under a per-row mask.  mask: [n, S] bool, True = may attend"""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-register("reference", ReferenceKernels, lambda device: True)

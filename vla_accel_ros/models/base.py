@@ -1,6 +1,7 @@
-"""What the two policy families share: prefix assembly, planning, timing, reset, and the
-run-time interface (:meth:`PolicyBase.configure`, :meth:`PolicyBase.set_motion_mode`) that
-callers use instead of touching ``config`` or ``planner``."""
+"""What every policy shares, whatever its family (``ar`` and ``flow`` subclass
+:class:`PolicyBase`; LeRobot's ``smolvla`` and ``pi0`` through ``flow``'s ``FlowPolicy``): prefix
+assembly, planning, timing, reset, and the run-time interface (:meth:`PolicyBase.configure`,
+:meth:`PolicyBase.set_motion_mode`) that callers use instead of touching ``config`` or ``planner``."""
 
 from __future__ import annotations
 
@@ -125,7 +126,8 @@ MOTION_MODES = tuple(MODE_NAMES.values())
 
 
 class PolicyBase:
-    """Prefix bookkeeping common to :class:`ArPolicy` and :class:`FlowPolicy`."""
+    """Prefix bookkeeping of every policy (:class:`ArPolicy`, :class:`FlowPolicy` and the
+    LeRobot families built on it)."""
 
     family = ""
 

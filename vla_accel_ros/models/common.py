@@ -1,5 +1,6 @@
-"""Pieces both VLA families share: vision tower, projector, tokenizer, image preprocessing,
-normalization, and the construction of transformers modules from bundle configs."""
+"""Building blocks of every family's model (``ar``, ``flow``, and LeRobot's ``smolvla`` and
+``pi0``): transformers decoders and the SigLIP vision tower built from a bundle's config, the
+projector, the tokenizers, image preprocessing, normalization and the flow time embedding."""
 
 from __future__ import annotations
 
@@ -191,13 +192,6 @@ class BundleTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, truncation=self.truncate, max_length=self.max_length)["input_ids"])
-
-    def token_id(self, token: str) -> int:
-        """The id of a special token (BundleError if the tokenizer lacks it)."""
-        i = self.tok.convert_tokens_to_ids(token)
-        if i is None or i == self.tok.unk_token_id:
-            raise BundleError(f"the bundle's tokenizer has no token {token!r}")
-        return int(i)
 
 
 def make_tokenizer(spec, bundle_path: str | Path = "", *, truncate: bool = False):

@@ -121,8 +121,6 @@ def frame_tensor(image: np.ndarray, camera: str) -> torch.Tensor:
 def padded_frames(images, cameras: tuple[str, ...], size: int):
     """The cameras' frames resized with padding (LeRobot's rule) -> pixels in [-1, 1], and the
     same image as uint8 [C, S, S, 3] for the token cache's comparisons."""
-    from vla_accel_ros.models.common import Frames
-
     missing = [c for c in cameras if c not in images]
     if missing:
         raise ObservationError(f"observation lacks camera(s) {', '.join(missing)}; has {', '.join(images) or 'none'}")

@@ -37,10 +37,12 @@ from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest, MotionState
 from vla_accel_ros.ros import graph, qos
 from vla_accel_ros.ros.backends import make_backend
-from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status, subscribe_joint_states
-from vla_accel_ros.ros.common import SourceCheck, status_name
 from vla_accel_ros.ros.conversions import chunk_from_msg, motion_to_msg, request_to_msg, stamp_to_ns
+from vla_accel_ros.ros.diagnostics import ERROR, OK, WARN, diagnostics, status, status_name
+from vla_accel_ros.ros.drops import DropCounter
 from vla_accel_ros.ros.params import ConfigParameters
+from vla_accel_ros.ros.sensor_input import SourceCheck, subscribe_joint_states
+from vla_accel_ros.ros.spin import spin_node
 
 # Fixed when the scheduler is built (its timer, latency tracker and metrics): read-only here.
 READ_ONLY = (

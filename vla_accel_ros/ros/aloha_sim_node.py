@@ -57,8 +57,10 @@ from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest
 from vla_accel_ros.ros import graph, qos
 from vla_accel_ros.ros.backends import interbotix_messages, interbotix_topics
-from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status, status_name
 from vla_accel_ros.ros.conversions import header, ns_to_stamp, rgb_to_image, stamp_to_ns
+from vla_accel_ros.ros.diagnostics import ERROR, OK, WARN, diagnostics, status, status_name
+from vla_accel_ros.ros.drops import DropCounter
+from vla_accel_ros.ros.spin import spin_node
 from vla_accel_ros.ros.params import ConfigParameters
 from vla_accel_ros.sim.robot_io import SIM_JOINTS, CommandDecoder, CommandError, joint_state_messages
 from vla_accel_ros.sim.runner import LiveSimConfig, SimRunner

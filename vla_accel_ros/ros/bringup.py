@@ -22,14 +22,9 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from vla_accel_ros.core.robot.observation import SharedChannels
-from vla_accel_ros.ros.common import (
-    drain_executor,
-    make_executor,
-    prefer_responsive_threads,
-    return_freed_frames_to_the_system,
-    wait_until_ready,
-)
+from vla_accel_ros.ros.executors import drain_executor, make_executor
 from vla_accel_ros.ros.graph import CAMERA, CONTROLLER, POLICY, SIM, Graph, NodeSpec
+from vla_accel_ros.ros.process_tuning import prefer_responsive_threads, return_freed_frames_to_the_system
 
 
 def node_kwargs(graph: Graph, spec: NodeSpec, context: Context) -> dict:
@@ -208,6 +203,20 @@ def start(
         running.shutdown()
         raise
     return running
+
+
+def wait_until_ready(ready: Callable[[], bool], why_not: Callable[[], str], timeout: float) -> str:
+    """Poll until ``ready()``: '' then; ``why_not()`` as soon as it says something (the policy
+    failed, a process ended); a timeout message after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return ""
+        why = why_not()
+        if why:
+            return why
+        time.sleep(0.05)
+    return f"the policy was not ready after {timeout:g} s"
 
 
 def spin_until(executor: Executor, context: Context, halt: threading.Event) -> None:

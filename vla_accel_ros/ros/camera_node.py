@@ -38,10 +38,12 @@ from vla_accel_ros.core.robot.images import ImageError
 from vla_accel_ros.core.robot.observation import AssembledObservation, ObservationAssembler, SharedChannels
 from vla_accel_ros.msg import Observation as ObservationMsg
 from vla_accel_ros.ros import graph, qos
-from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, diagnostics, spin_node, status
-from vla_accel_ros.ros.common import SourceCheck, status_name
 from vla_accel_ros.ros.conversions import ImageConverter, observation_to_msg, stamp_to_ns
+from vla_accel_ros.ros.diagnostics import ERROR, OK, WARN, diagnostics, status, status_name
+from vla_accel_ros.ros.drops import DropCounter
 from vla_accel_ros.ros.params import ConfigParameters
+from vla_accel_ros.ros.sensor_input import SourceCheck
+from vla_accel_ros.ros.spin import spin_node
 
 
 class CameraNode(Node):
@@ -161,9 +163,6 @@ class CameraNode(Node):
 
     def summary(self) -> dict[str, object]:
         return {"frames": sum(self.frames.values()), "observations": self.observations, "dropped": self.drops.total}
-
-    def close(self) -> None:
-        pass
 
 
 def _limits(cfg: CameraConfig) -> dict[str, int]:

@@ -23,13 +23,13 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType, SetParametersResult
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from vla_accel_ros.core.config import Config, flatten, unflatten
 from vla_accel_ros.core.errors import ConfigError
-from vla_accel_ros.ros.common import capped
+from vla_accel_ros.ros.drops import capped
 
 _SCALARS = {
     bool: Parameter.Type.BOOL,
@@ -239,7 +239,3 @@ class ConfigParameters:
         byte array, which the declared array parameter refuses."""
         spec = self._by_name[name]
         return Parameter(name, spec.ros_type, list(value) if isinstance(value, tuple) else value)
-
-
-def ros_type_name(t: int) -> str:
-    return {v: k for k, v in vars(ParameterType).items() if k.startswith("PARAMETER_") and isinstance(v, int)}.get(t, str(t))

@@ -43,8 +43,6 @@ from vla_accel_ros.msg import ActionChunk as ActionChunkMsg
 from vla_accel_ros.msg import ChunkRequest, InferenceStats, MotionState
 from vla_accel_ros.msg import Observation as ObservationMsg
 from vla_accel_ros.ros import graph, qos
-from vla_accel_ros.ros.common import ERROR, OK, WARN, DropCounter, capped, diagnostics, spin_node, status, subscribe_joint_states
-from vla_accel_ros.ros.common import SourceCheck, status_name
 from vla_accel_ros.ros.conversions import (
     chunk_to_msg,
     guidance_from_msg,
@@ -53,7 +51,11 @@ from vla_accel_ros.ros.conversions import (
     stamp_to_ns,
     stats_to_msg,
 )
+from vla_accel_ros.ros.diagnostics import ERROR, OK, WARN, diagnostics, status, status_name
+from vla_accel_ros.ros.drops import DropCounter, capped
 from vla_accel_ros.ros.params import ConfigParameters
+from vla_accel_ros.ros.sensor_input import SourceCheck, subscribe_joint_states
+from vla_accel_ros.ros.spin import spin_node
 
 
 # How long close() waits for the worker. ros2 launch escalates to SIGTERM 5 s after SIGINT; an

@@ -9,7 +9,7 @@ under the node's own name (which wins over the first, as launch_ros's node param
 description's overrides; observations go camera -> policy on the ``observation`` topic.
 
 A small monitor node in this process follows ``policy_node/ready`` and ``/diagnostics``. The
-nodes' statistics come from the nodes themselves (:func:`~vla_accel_ros.ros.common.spin_node`):
+nodes' statistics come from the nodes themselves (:func:`~vla_accel_ros.ros.spin.spin_node`):
 SIGUSR1 resets them once the policy is ready, and each writes its ``summary()`` to a JSON file
 when it stops (after its last message is written, for the recorder).
 """
@@ -38,9 +38,10 @@ from rclpy.node import Node
 from std_msgs.msg import Bool
 
 from vla_accel_ros.ros import qos
-from vla_accel_ros.ros.bringup import spin_until
-from vla_accel_ros.ros.common import SUMMARY_OUT, make_executor, wait_until_ready
+from vla_accel_ros.ros.bringup import spin_until, wait_until_ready
+from vla_accel_ros.ros.executors import make_executor
 from vla_accel_ros.ros.graph import POLICY, READY, Graph, NodeSpec
+from vla_accel_ros.ros.spin import SUMMARY_OUT
 
 STOP_TIMEOUT_S = 30.0  # a node that has not ended this long after Ctrl-C is killed
 
@@ -96,7 +97,7 @@ class ProcessGraph:
         self._context = Context()
         rclpy.init(context=self._context, domain_id=domain_id)
         node = self._monitor = Node("vla_bringup_monitor", context=self._context, namespace=self.graph.namespace or None)
-        self._policy_status = f"{self.graph.namespace}/{POLICY}:".lstrip("/")  # as common.status_name names it
+        self._policy_status = f"{self.graph.namespace}/{POLICY}:".lstrip("/")  # as diagnostics.status_name names it
         node.create_subscription(Bool, f"{POLICY}/{READY.removeprefix('~/')}", self._on_ready, qos.LATCHED)
         node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, qos.RELIABLE)
         self._executor = make_executor(1, self._context)

@@ -34,7 +34,7 @@ from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.robot.topics import TopicLayout
 from vla_accel_ros.io.bag_file import STORAGES
 from vla_accel_ros.io.recording import CdrBagWriter, ReorderBuffer, header_stamp_ns
-from vla_accel_ros.ros.common import spin_node
+from vla_accel_ros.ros.spin import spin_node
 from vla_accel_ros.ros.params import ConfigParameters
 
 

@@ -23,7 +23,7 @@ from vla_accel_ros.core.robot.config import ALOHA_START_ARM, ARM_JOINTS, RobotCo
 from vla_accel_ros.core.robot.state import GripperMap, state_to_joint_states
 from vla_accel_ros.core.robot.topics import image_topic
 from vla_accel_ros.ros import qos
-from vla_accel_ros.ros.common import spin_node
+from vla_accel_ros.ros.spin import spin_node
 from vla_accel_ros.ros.conversions import header, rgb_to_image
 from vla_accel_ros.ros.params import ConfigParameters
 from vla_accel_ros.sim.synthetic import moving_arm_frames

@@ -31,10 +31,6 @@ class MotionEstimate:
     joint_speed: float  # max |q_dot| over joints, rad/s (unsmoothed)
     joint_velocities: np.ndarray  # [D] rad/s (grippers in normalized units / s)
 
-    @property
-    def mode_name(self) -> str:
-        return MODE_NAMES[self.mode]
-
 
 class MotionEstimator:
     def __init__(self, robot: RobotConfig, config: MotionConfig, dt: float) -> None:

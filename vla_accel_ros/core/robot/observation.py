@@ -339,10 +339,6 @@ class LatestSlot(Generic[T]):
             item, self._item = self._item, None
             return item
 
-    def peek(self) -> T | None:
-        with self._cond:
-            return self._item
-
     def wait(self, timeout: float | None = None) -> bool:
         """True when an item is waiting (returns at once if one already is)."""
         with self._cond:
