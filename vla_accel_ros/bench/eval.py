@@ -37,7 +37,8 @@ from tqdm import tqdm
 from vla_accel_ros.bench.lerobot_eval import LEROBOT
 from vla_accel_ros.bench.outcomes import paired_vs_baseline, stage_summary, wilson_interval
 from vla_accel_ros.bench.reasoning import reasoning_summary, truth_words
-from vla_accel_ros.bench.replay import BASELINE, build_runs, check_overrides, machine_info, mode_of, parse_modes, policy_config
+from vla_accel_ros.bench.machine import machine_info
+from vla_accel_ros.bench.modes import BASELINE, build_runs, check_overrides, mode_of, parse_modes, policy_config
 from vla_accel_ros.bench.stats import distribution
 from vla_accel_ros.core.config import flatten, unflatten
 from vla_accel_ros.core.errors import ConfigError

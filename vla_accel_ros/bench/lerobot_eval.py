@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vla_accel_ros.bench.replay import Mode, ModeRun
+from vla_accel_ros.bench.modes import Mode, ModeRun
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.types import ActionChunk
 

@@ -33,9 +33,6 @@ from vla_accel_ros.core.errors import BagError, ConfigError
 from vla_accel_ros.models.family import get_family
 from vla_accel_ros.sim.aloha import task_of_instruction
 
-# bench/eval.py and bench/lerobot_eval.py still import these from here; they belong to bench.modes.
-from vla_accel_ros.bench.modes import Mode, mode_of, policy_config  # noqa: F401
-
 SCHEMA = "vla_accel_ros.replay/1"
 
 

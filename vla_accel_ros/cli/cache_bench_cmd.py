@@ -8,8 +8,6 @@ from pathlib import Path
 
 from vla_accel_ros.cli import command
 from vla_accel_ros.cli.options import add_override_flags, check_output, overrides
-# cli/eval_cmd.py still imports parse_overrides from here; it belongs to cli.options now.
-from vla_accel_ros.cli.options import parse_overrides  # noqa: F401
 from vla_accel_ros.core.errors import ConfigError
 
 

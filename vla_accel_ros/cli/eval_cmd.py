@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from vla_accel_ros.cli import command
+from vla_accel_ros.cli.options import add_override_flags, overrides, parse_overrides
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,12 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--params", type=Path, default=None, help="the graph's parameter file (default: config/aloha.yaml)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--flow-steps", type=int, default=0, help="flow: Euler steps per chunk (0: the bundle's)")
-    p.add_argument("--cache", action="append", default=[], metavar="FIELD=VALUE", help="override a CacheConfig field")
-    p.add_argument("--prune", action="append", default=[], metavar="FIELD=VALUE", help="override a PruneConfig field")
-    p.add_argument(
-        "--precision", action="append", default=[], metavar="FIELD=VALUE",
-        help="override a PrecisionConfig field (a gate limit) in every @precision mode",
-    )  # fmt: skip
+    add_override_flags(p, "cache", "prune", "precision")
     p.add_argument(
         "--scheduler", action="append", default=[], metavar="FIELD=VALUE",
         help="override a field of the controller's chunk scheduler (SchedulerConfig), e.g. aggregation=temporal_ensemble",
@@ -78,16 +74,14 @@ def _eval(args: argparse.Namespace) -> int:
     from vla_accel_ros.bench.eval import LEROBOT, EvalConfig, eval_modes, run_eval
     from vla_accel_ros.bench.eval_report import headline_text, write_report
     from vla_accel_ros.bench.report import check_report_dir
-    from vla_accel_ros.cli.cache_bench_cmd import parse_overrides
 
     cfg = EvalConfig(
         bundle=args.bundle, task=args.task, episodes=args.episodes, modes=tuple(eval_modes(args.modes)),
         lerobot=args.lerobot, lerobot_python=args.lerobot_python,
         seed=args.seed, steps=args.steps, latency=args.latency, open_loop_episodes=args.open_loop_episodes,
         open_loop_stride=args.open_loop_stride, params=args.params, parity_check=not args.no_parity,
-        num_threads=args.threads, flow_steps=args.flow_steps, cache_overrides=parse_overrides(args.cache),
-        prune_overrides=parse_overrides(args.prune, "--prune"),
-        precision_overrides=parse_overrides(args.precision, "--precision"),
+        num_threads=args.threads, flow_steps=args.flow_steps, cache_overrides=overrides(args, "cache"),
+        prune_overrides=overrides(args, "prune"), precision_overrides=overrides(args, "precision"),
         scheduler_overrides=parse_overrides(args.scheduler, "--scheduler"), height=args.height, width=args.width,
         pipeline_depth=args.pipeline_depth, pipeline_steps=args.pipeline_steps, stream_every=args.stream_every,
         through_ros=args.through_ros, ros_one_process=args.one_process, ros_domain_id=args.domain_id,
