@@ -111,6 +111,11 @@ class FlowPolicy(PolicyBase):
         """The expert's input rows for the noisy chunk at flow time t.  x_t: [B, H, D] -> [B, n, W]"""
         return self.model.suffix_embeddings(x_t, t)
 
+    def expert_condition(self, t: float) -> torch.Tensor | None:
+        """The condition of an expert with adaptive norms at flow time t ([1, C]; pi0.5's time
+        features); None for a plain expert (the time is in its input rows)."""
+        return None
+
     def _build_engines(self) -> None:
         """One cache: the VLM writes the prefix rows, the expert writes and reads the chunk rows."""
         self.expert_stack = DecoderStack(self.model.expert)
@@ -217,12 +222,14 @@ class FlowPolicy(PolicyBase):
     ) -> torch.Tensor:
         """One expert pass over the cached prefix.  x_t: [1, H, D] -> v: [1, H, D]"""
         plan = plan or self.expert_plan(length)
+        cond = self.expert_condition(t)
+        extra = {} if cond is None else {"cond": cond}  # a plain expert's engine (SmolVLA's own) takes none
         if differentiable:
             with torch.enable_grad():
-                out = self.expert_engine.forward(self.suffix_embeddings(x_t, t), plan, differentiable=True)
+                out = self.expert_engine.forward(self.suffix_embeddings(x_t, t), plan, differentiable=True, **extra)
                 return self.model.action_out(out.hidden)
         with torch.inference_mode():
-            out = self.expert_engine.forward(self.suffix_embeddings(x_t, t), plan)
+            out = self.expert_engine.forward(self.suffix_embeddings(x_t, t), plan, **extra)
             return self.model.action_out(out.hidden)
 
     def flow_times(self) -> list[float]:
@@ -268,7 +275,7 @@ class FlowPolicy(PolicyBase):
     def infer(self, obs: Observation, *, noise: np.ndarray | None = None, guidance: ChunkGuidance | None = None) -> ActionChunk:
         timer = StageTimer()
         with timer.stage("preprocess"):
-            layout, ids = self.layout_for(obs.instruction)
+            layout, ids = self.layout_of(obs)
             self.prepare_cache(layout)
             frames = self.frames(obs)
             ctx = self.context(obs, layout, frames)
@@ -351,7 +358,7 @@ class FlowPolicy(PolicyBase):
         whole prefix's embeddings [P, H] and the noise [1, H, D]."""
         timer = StageTimer()
         with timer.stage("preprocess"):
-            layout, ids = self.layout_for(obs.instruction)
+            layout, ids = self.layout_of(obs)
             frames = self.frames(obs)
             x = self._noise(noise)
         with timer.stage("vision"):
@@ -379,8 +386,12 @@ class FlowPolicy(PolicyBase):
                 ).last_hidden_state
                 pkv.crop(-h)  # drop this step's chunk rows, keep the prefix
                 x = x - dt * self.model.action_out(hid)
+        return self.reference_chunk(obs, timer, x)
+
+    def reference_chunk(self, obs: Observation, timer: StageTimer, x: torch.Tensor) -> ActionChunk:
+        """The reference path's end: the integrated chunk [1, H, A] as actions (timed)."""
         with timer.stage("postprocess"):
-            actions = self.action_norm.unnormalize_meanstd(x[0].numpy()).astype(np.float32)
+            actions = self.actions_out(x)
         return ActionChunk(
             actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, joint_names=self.spec.joint_names,
             timings_ms=timer.finish(), stats={"mode": "transformers"},
