@@ -151,30 +151,24 @@ class FlowPolicy(PolicyBase):
         """``vla-accel bench engine``'s comparisons, transformers against the engine: (name,
         (label, fn), (label, fn), repeat factor) for the prefill, one denoise step over the
         cached prefix and a whole inference. ``full``: the prefix embeddings [P, H]."""
-        P, h = layout.length, self.spec.chunk_size
+        P = layout.length
         all_slots = layout.all_slots()
         full_step = StepPlan(slots=all_slots, positions=all_slots, output_slots=all_slots[-1:])
-        x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, h, self.spec.action_dim)).astype(np.float32))
-        mask = torch.ones(1, 1, P, P, dtype=torch.bool)
+        x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, *self.noise_shape)).astype(np.float32))
 
         def hf_prefill():
             with torch.inference_mode():
-                return self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True)
+                return self.reference_prefill(full)
 
         def eng_prefill():
             return self.vlm_engine.forward(full[None], full_step)
 
-        pkv = hf_prefill().past_key_values
+        pkv = hf_prefill()
         eng_prefill()
-        pos = torch.arange(P, P + h)[None]
-        smask = torch.ones(1, 1, h, P + h, dtype=torch.bool)
 
         def hf_step():
             with torch.inference_mode():
-                emb = self.model.suffix_embeddings(x, 0.5)
-                out = self.model.expert(inputs_embeds=emb, attention_mask=smask, position_ids=pos, past_key_values=pkv, use_cache=True)
-                pkv.crop(-h)
-                return self.model.action_out(out.last_hidden_state)
+                return self.reference_velocity(x, 0.5, pkv, P)
 
         noise = x[0].numpy()
         return [
@@ -365,27 +359,35 @@ class FlowPolicy(PolicyBase):
             full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.all_cameras(layout))
         return timer, layout, full, x
 
+    def reference_prefill(self, full: torch.Tensor):
+        """transformers' VLM over the whole prefix [P, H] (bidirectional 4-D mask) -> its DynamicCache."""
+        p = full.shape[0]
+        mask = torch.ones(1, 1, p, p, dtype=torch.bool)
+        return self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True).past_key_values
+
+    def reference_velocity(self, x: torch.Tensor, t: float, pkv, prefix_len: int) -> torch.Tensor:
+        """transformers' expert over the chunk at flow time t with the prefix's DynamicCache,
+        cropped back to the prefix after.  x: [1, H, D] -> v: [1, H, D]"""
+        h = x.shape[1]
+        pos = torch.arange(prefix_len, prefix_len + h)[None]
+        mask = torch.ones(1, 1, h, prefix_len + h, dtype=torch.bool)
+        hid = self.model.expert(
+            inputs_embeds=self.suffix_embeddings(x, t), attention_mask=mask, position_ids=pos, past_key_values=pkv, use_cache=True
+        ).last_hidden_state
+        pkv.crop(-h)  # drop this step's chunk rows, keep the prefix
+        return self.model.action_out(hid)
+
     @torch.inference_mode()
     def reference_infer(self, obs: Observation, *, noise: np.ndarray | None = None) -> ActionChunk:
         """transformers' own forwards: the VLM prefix once into a DynamicCache, then per Euler
-        step the expert over that cache (cropped back to the prefix after each step)."""
+        step the expert over that cache (:meth:`reference_velocity`)."""
         timer, layout, full, x = self.reference_prefix(obs, noise)
-        p, h = layout.length, self.spec.chunk_size
         with timer.stage("prefill"):
-            mask = torch.ones(1, 1, p, p, dtype=torch.bool)
-            pkv = self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True).past_key_values
+            pkv = self.reference_prefill(full)
         with timer.stage("denoise"):
             dt = 1.0 / self.num_steps
-            pos = torch.arange(p, p + h)[None]
-            smask = torch.ones(1, 1, h, p + h, dtype=torch.bool)
-            for i in range(self.num_steps):
-                t = 1.0 - i * dt
-                emb = self.model.suffix_embeddings(x, t)
-                hid = self.model.expert(
-                    inputs_embeds=emb, attention_mask=smask, position_ids=pos, past_key_values=pkv, use_cache=True
-                ).last_hidden_state
-                pkv.crop(-h)  # drop this step's chunk rows, keep the prefix
-                x = x - dt * self.model.action_out(hid)
+            for t in self.flow_times():
+                x = x - dt * self.reference_velocity(x, t, pkv, layout.length)
         return self.reference_chunk(obs, timer, x)
 
     def reference_chunk(self, obs: Observation, timer: StageTimer, x: torch.Tensor) -> ActionChunk:

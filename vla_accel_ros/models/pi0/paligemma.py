@@ -24,7 +24,7 @@ from vla_accel_ros.core.bundle import BundleSpec
 from vla_accel_ros.core.engine import StepPlan
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.prefix import PrefixLayout
-from vla_accel_ros.core.types import ActionChunk, Observation
+from vla_accel_ros.core.types import Observation
 from vla_accel_ros.models.base import VisionPrefix
 from vla_accel_ros.models.common import build_decoder
 from vla_accel_ros.models.family import check_expert_shares_cache, check_vision_patch
@@ -103,37 +103,7 @@ class PaliGemmaPolicy(LeRobotPolicy):
     def training_loss(self, *args, **kwargs):
         raise ConfigError(f"{self.family} bundles are imported from LeRobot checkpoints; train them with LeRobot or openpi")
 
-    # -- the plain reference: parity gate and benchmark baseline ---------------------------------
-    def reference_prefill(self, full: torch.Tensor):
-        """transformers' Gemma over the whole prefix [P, H] (bidirectional 4-D mask) -> its DynamicCache."""
-        p = full.shape[0]
-        mask = torch.ones(1, 1, p, p, dtype=torch.bool)
-        return self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True).past_key_values
-
-    def reference_velocity(self, x: torch.Tensor, t: float, pkv, prefix_len: int) -> torch.Tensor:
-        """The expert's velocity [1, H, A] at flow time t over the prefix's DynamicCache
-        (transformers' modules; the cache cropped back to the prefix after)."""
-        raise NotImplementedError
-
-    @torch.inference_mode()
-    def reference_infer(self, obs: Observation, *, noise: np.ndarray | None = None) -> ActionChunk:
-        """transformers' own Gemma forwards: the prefix once into a DynamicCache (4-D mask), then
-        per Euler step the family's expert over that cache (:meth:`reference_velocity`)."""
-        timer, layout, full, x = self.reference_prefix(obs, noise)
-        with timer.stage("prefill"):
-            pkv = self.reference_prefill(full)
-        with timer.stage("denoise"):
-            dt = 1.0 / self.num_steps
-            for t in self.flow_times():
-                x = x - dt * self.reference_velocity(x, t, pkv, layout.length)
-        return self.reference_chunk(obs, timer, x)
-
-    @torch.inference_mode()
-    def reference_prefix_hidden(self, obs: Observation) -> torch.Tensor:
-        layout, full = self.full_prefix(obs)
-        mask = torch.ones(1, 1, layout.length, layout.length, dtype=torch.bool)
-        return self.model.vlm(inputs_embeds=full[None], attention_mask=mask).last_hidden_state[0]
-
+    # -- the plain reference (FlowPolicy's, over the family's reference_velocity) ----------------
     @torch.inference_mode()
     def prefix_intermediates(self, obs: Observation, noise: np.ndarray) -> tuple[dict, PrefixLayout, torch.Tensor]:
         """The prefix's intermediates a reference fixture carries (ours, in pipeline order), with
