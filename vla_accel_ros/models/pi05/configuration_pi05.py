@@ -17,6 +17,7 @@ class Pi05Options(LeRobotOptions):
     to ``max_state_dim`` (the pre-processor's state step; 32 when it saved none, as LeRobot then
     rebuilds it), discretized into 256 bins over [-1, 1]."""
 
+    max_state_dim: int = param(32, doc="the normalized state is zero-padded to this size before it is discretized into the prompt", range=(1, 4096))
     state_norm: str = param("QUANTILES", doc="normalization of the state before it is discretized (LeRobot NormalizationMode)", choices=NORM_MODES)
     action_norm: str = param("QUANTILES", doc="normalization of the actions (LeRobot NormalizationMode)", choices=NORM_MODES)
     min_period: float = param(4e-3, doc="the flow time's shortest sine-cosine period", range=(1e-6, 1e6))
