@@ -216,7 +216,7 @@ def attention_dtype(bf16_above: int | None, rows: int, dtype: torch.dtype) -> to
 
 
 def check_cond(stack: DecoderStack, cond: torch.Tensor | None) -> None:
-    """A condition exactly when the decoder's norms are adaptive, of their width."""
+    """A condition exactly when the decoder's norms are adaptive (the norms check its width)."""
     if stack.adaptive and cond is None:
         raise PlanError("this decoder's norms are adaptive: its forward needs the condition (cond)")
     if cond is not None and not stack.adaptive:
