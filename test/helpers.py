@@ -129,3 +129,41 @@ def spinning(context, *nodes):
         drain_executor(executor)
         for n in nodes:
             n.destroy_node()
+
+
+def bringup_summary(bundle, params_file, cwd, duration: float = 4.0) -> dict:
+    """``vla-accel bringup --synthetic-camera --one-process`` on ``bundle`` for ``duration``
+    seconds (a random domain, discovery on this machine); its JSON summary, after checking that
+    the policy node ran the bundle and the controller commanded the arm."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = Path(cwd) / "summary.json"
+    env = {**os.environ, "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST"}
+    cmd = [sys.executable, "-m", "vla_accel_ros.cli", "bringup", "--params", str(params_file), "--bundle", str(bundle),
+           "--synthetic-camera", "--duration", str(duration), "--one-process",
+           "--domain-id", str(random.SystemRandom().randint(1, 100)), "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["policy_node"]["ready"] and s["policy_node"]["chunks"] > 0, s["policy_node"]
+    assert s["action_controller_node"]["commands"] > 0, s["action_controller_node"]
+    return s
+
+
+def assert_same_actions_on_gate_frames(eager, other, atol: float = 1e-5):
+    """``other`` (e.g. with a compiled step) gives ``eager``'s actions on the gate's two frames
+    (the second with a moving block), with the gate's noise. Returns (first frame, noise, the
+    last chunk)."""
+    import numpy as np
+
+    from vla_accel_ros.core.parity import changed_observation, fixed_observation, gate_noise
+
+    obs = fixed_observation(eager.spec)
+    noise = gate_noise(eager)
+    for frame in (obs, changed_observation(obs, eager.spec)):
+        a, c = eager.infer(frame, noise=noise), other.infer(frame, noise=noise)
+        np.testing.assert_allclose(c.actions, a.actions, atol=atol)
+    return obs, noise, a

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import helpers  # test/helpers.py
 import numpy as np
@@ -122,12 +122,4 @@ def test_an_imported_bundle_replays_and_closes_the_loop(bundle, tmp_path, ros_pa
                  "--report", str(report), "--no-progress", "--no-plots"]) == 0  # fmt: skip
     rep = json.loads((report / "report.json").read_text())
     assert rep["bundle"]["family"] == "pi0" and rep["modes"]["transformers"]["deviation"]["max_over_std"] < 1e-3
-    out = tmp_path / "summary.json"
-    env = {**os.environ, "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST"}
-    cmd = [sys.executable, "-m", "vla_accel_ros.cli", "bringup", "--params", str(ros_params_file), "--bundle", str(bundle),
-           "--synthetic-camera", "--duration", "4", "--one-process", "--domain-id", str(random.SystemRandom().randint(1, 100)),
-           "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    s = json.loads(out.read_text())
-    assert s["policy_node"]["ready"] and s["policy_node"]["chunks"] > 0 and s["action_controller_node"]["commands"] > 0
+    helpers.bringup_summary(bundle, ros_params_file, tmp_path)

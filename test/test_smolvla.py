@@ -150,12 +150,12 @@ def test_layer_plan_follows_lerobots_rules():
 
 def test_no_family_branches_outside_the_family_modules():
     """Families are plug-ins: nothing outside their modules asks which family a bundle is."""
-    pattern = re.compile(r"""family\s*[!=]=\s*["'](ar|flow|smolvla|pi0)["']""")
-    family_modules = {"models/ar.py", "models/flow.py"}  # and the packages models/smolvla, models/pi0
+    pattern = re.compile(r"""family\s*[!=]=\s*["'](ar|flow|smolvla|pi0|pi05)["']""")
+    family_modules = {"models/ar.py", "models/flow.py"}  # and the packages models/smolvla, models/pi0, models/pi05
     bad = []
     for path in sorted((REPO / "vla_accel_ros").rglob("*.py")):
         rel = path.relative_to(REPO / "vla_accel_ros").as_posix()
-        if rel in family_modules or rel.startswith(("models/smolvla/", "models/pi0/")):
+        if rel in family_modules or rel.startswith(("models/smolvla/", "models/pi0/", "models/pi05/")):
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line):
@@ -250,18 +250,8 @@ def test_an_imported_bundle_replays_a_simulator_bag_in_every_mode(two_camera_bun
 def test_an_imported_bundle_closes_the_loop_under_bringup(two_camera_bundle, tmp_path, ros_params_file):
     """``vla-accel bringup --synthetic-camera``: two synthetic cameras at the bundle's size, the
     policy node runs the imported bundle (``bundle:=``) and the controller executes its chunks."""
-    import random
-
-    out = tmp_path / "summary.json"
-    env = {**os.environ, "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST"}
-    cmd = [sys.executable, "-m", "vla_accel_ros.cli", "bringup", "--params", str(ros_params_file), "--bundle",
-           str(two_camera_bundle), "--synthetic-camera", "--duration", "4", "--one-process",
-           "--domain-id", str(random.SystemRandom().randint(1, 100)), "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    s = json.loads(out.read_text())
-    assert s["policy_node"]["ready"] and s["policy_node"]["chunks"] > 0, s["policy_node"]
-    assert s["camera_node"]["observations"] > 0 and s["action_controller_node"]["commands"] > 0
+    s = helpers.bringup_summary(two_camera_bundle, ros_params_file, tmp_path)
+    assert s["camera_node"]["observations"] > 0
 
 
 @pytest.mark.slow
@@ -299,7 +289,6 @@ def test_the_compiled_expert_step_matches_the_eager_one(tmp_path):
     """``precision.compile``: the expert's step as one graph (here a backend without code
     generation: the graph and its inlined attention are exercised) gives the eager actions,
     with and without pruned prefix tokens; guidance (autograd) stays eager."""
-    from vla_accel_ros.core.parity import changed_observation, fixed_observation, gate_noise
     from vla_accel_ros.core.types import ChunkGuidance
     from vla_accel_ros.models.factory import create_demo_bundle
     from vla_accel_ros.models.smolvla.expert import ExpertEngine
@@ -313,11 +302,7 @@ def test_the_compiled_expert_step_matches_the_eager_one(tmp_path):
             compiled.model.expert, compiled.options.layer_plan(4), compiled.cache, max_positions=old.step.cos.shape[0],
             compile=True, backend="aot_eager",
         )  # fmt: skip
-        obs = fixed_observation(eager.spec)
-        noise = gate_noise(eager)
-        for frame in (obs, changed_observation(obs, eager.spec)):
-            a, c = eager.infer(frame, noise=noise), compiled.infer(frame, noise=noise)
-            np.testing.assert_allclose(c.actions, a.actions, atol=1e-5)
+        obs, noise, a = helpers.assert_same_actions_on_gate_frames(eager, compiled)
         assert compiled.expert_engine.static_calls == 2 * eager.num_steps
     guide = ChunkGuidance(prev_actions=a.actions, weights=np.ones(eager.spec.chunk_size, np.float32), frozen=0)
     np.testing.assert_allclose(compiled.infer(obs, noise=noise, guidance=guide).actions,

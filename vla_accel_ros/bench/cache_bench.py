@@ -123,7 +123,7 @@ def _kv_error(policy, full, obs) -> dict[str, float]:
     action is read from). Sensitive even where a random-weight model's actions are not."""
     import torch
 
-    layout, _ = policy.layout_for(obs.instruction)
+    layout, _ = policy.layout_of(obs)
     rows = {"image": layout.image_slots(), "text": layout.text_slots()}
     if layout.state_slot is not None:
         rows["text"] = torch.cat([rows["text"], torch.tensor([layout.state_slot])])

@@ -85,7 +85,7 @@ def run_engine_bench(policy, repeats: int = 5, fractions=(0.4, 0.6, 0.8), on_pai
 
     spec = policy.spec
     obs = fixed_observation(spec)
-    layout, ids = policy.layout_for(obs.instruction)
+    layout, ids = policy.layout_of(obs)
     frames = policy.frames(obs)
     cams = list(range(len(layout.cameras)))
     full = policy.prefix_embeddings(obs, layout, ids, frames.pixels, cams)

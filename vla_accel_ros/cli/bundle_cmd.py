@@ -24,15 +24,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--cameras", default="cam_high", help="comma-separated camera names (token order)")
     c.add_argument("--action-dim", type=int, default=14, help="14 = ALOHA bimanual joints")
-    c.add_argument("--chunk-size", type=int, default=None, help="default: ar 1, flow and smolvla 50")
+    c.add_argument("--chunk-size", type=int, default=None, help="default: ar 1, flow, smolvla and pi05 50")
     c.add_argument("--lm-type", choices=("llama", "qwen2"), default="llama")
     c.set_defaults(func=_create)
 
     m = command(
-        bsub, "import", "write a bundle from a LeRobot checkpoint (SmolVLA, pi0; offline)",
+        bsub, "import", "write a bundle from a LeRobot checkpoint (SmolVLA, pi0, pi0.5; offline)",
         "vla-accel bundle import --lerobot ../shared/fixtures/smolvla-lerobot/policy --out models/smolvla-fixture",
         details="Reads LeRobot's saved policy (config.json and model.safetensors; SmolVLA: the pre/post-processor "
-        "JSON and statistics, and the SmolVLM directory its vlm_model_name names; pi0: PaliGemma's tokenizer) and "
+        "JSON and statistics, and the SmolVLM directory its vlm_model_name names; pi0 and pi05: PaliGemma's tokenizer; "
+        "pi05: the processors too) and "
         "writes a bundle of the family its config.json type names.",
     )  # fmt: skip
     m.add_argument("--lerobot", required=True, metavar="DIR", help="LeRobot's saved policy directory")
@@ -43,9 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     m.add_argument(
         "--tokenizer", metavar="DIR",
-        help="pi0: PaliGemma's tokenizer directory (default: google/paligemma-3b-pt-224 in the local Hugging Face cache)",
+        help="pi0, pi05: PaliGemma's tokenizer directory (default: google/paligemma-3b-pt-224 in the local Hugging Face cache)",
     )
-    m.add_argument("--vision-heads", type=int, default=None, metavar="N", help="pi0: SigLIP's head count when its width is not So400m's 1152")
+    m.add_argument("--vision-heads", type=int, default=None, metavar="N", help="pi0, pi05: SigLIP's head count when its width is not So400m's 1152")
     m.add_argument("--out", required=True, help="bundle directory to write (never overwritten)")
     m.add_argument("--name", default=None, help="bundle name (default: the checkpoint directory's name)")
     m.add_argument("--joints", default="", help="comma-separated joint names, one per action dimension (default: ALOHA's for 14)")

@@ -32,7 +32,9 @@ from torch import nn
 
 from vla_accel_ros.core.errors import PlanError
 from vla_accel_ros.core.interrupt import check as check_interrupt
-from vla_accel_ros.core.engine import DecoderStack, Engine, StepOutput, StepPlan, _rel_index, attention_dtype
+from vla_accel_ros.core.engine import (
+    DecoderStack, Engine, StepOutput, StepPlan, _rel_index, adaptive_norm, attention_dtype, check_cond, gated,
+)  # fmt: skip
 from vla_accel_ros.core.kv_cache import KVCache
 from vla_accel_ros.kernels import KernelSet
 from vla_accel_ros.kernels import ops  # noqa: F401  (registers torch.ops.vla_accel.*)
@@ -43,9 +45,11 @@ class StaticStep(nn.Module):
     """Every given row through every layer of a decoder, over a static KV cache.
 
     forward(x [B, n, H], slots [n], positions [n], k_cache / v_cache [L, B, Hkv, S, D],
-    valid [L, S] bool, allowed [S, S] bool, window) -> [B, n, H] final normed hidden states;
-    writes the rows' K/V into the cache and marks them valid. ``window`` (a static int): the
-    rows attend only to slots [0, window) (None: the whole cache).
+    valid [L, S] bool, allowed [S, S] bool, window, reads, cond) -> [B, n, H] final normed
+    hidden states; writes the rows' K/V into the cache and marks them valid. ``window`` (a
+    static int): the rows attend only to slots [0, window) (None: the whole cache). ``cond``
+    [B, C]: the condition of a decoder with adaptive norms (an input of the graph, not a
+    constant: it changes at every call, e.g. with the flow time).
 
     The K/V write and the attention are the custom ops ``vla_accel::write_kv`` / ``attend``
     (opaque nodes: what an export hands a TensorRT plugin, what a GPU kernel registers for),
@@ -70,6 +74,7 @@ class StaticStep(nn.Module):
         self.layers = stack.layers
         self.qkv, self.gate_up = stack.qkv, stack.gate_up  # fused projections (None: one by one)
         self.norm = stack.norm
+        self.adaptive = stack.adaptive
         self.apply_rope = stack.apply_rope
         self.num_heads, self.num_kv_heads, self.head_dim = stack.num_heads, stack.num_kv_heads, stack.head_dim
         self.scaling = float(stack.scaling)
@@ -77,7 +82,8 @@ class StaticStep(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(
-        self, x, slots, positions, k_cache, v_cache, valid, allowed, window: int | None = None, reads: str = "per_row"
+        self, x, slots, positions, k_cache, v_cache, valid, allowed, window: int | None = None, reads: str = "per_row",
+        cond: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         B, n, _ = x.shape
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -89,7 +95,7 @@ class StaticStep(nn.Module):
         new_v: list[torch.Tensor] = []
         for l, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            h = layer.input_layernorm(x)
+            h, gate = adaptive_norm(layer.input_layernorm, x, cond)
             fused = self.qkv[l]
             q, k, v = fused(h) if fused is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
             q = q.view(B, n, Hq, D).transpose(1, 2)  # [B, Hq, n, D]
@@ -117,17 +123,18 @@ class StaticStep(nn.Module):
             else:
                 o = attend_masked(q, keys, values, allowed_rows & valid_l, self.scaling)
             o = o.to(x.dtype)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
-            h = layer.post_attention_layernorm(x)
+            x = x + gated(attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D)), gate)
+            h, gate = adaptive_norm(layer.post_attention_layernorm, x, cond)
             fused = self.gate_up[l]
             if fused is None:
-                x = x + mlp(h)
+                x = x + gated(mlp(h), gate)
             else:
-                gate, up = fused(h, low=True)
-                x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+                g, up = fused(h, low=True)
+                x = x + gated(mlp.down_proj(mlp.act_fn(g) * up), gate)
+        x = adaptive_norm(self.norm, x, cond)[0]
         if self.inline:
-            return self.norm(x), torch.stack(new_k), torch.stack(new_v)
-        return self.norm(x)
+            return x, torch.stack(new_k), torch.stack(new_v)
+        return x
 
 
 def is_static_plan(plan: StepPlan) -> bool:
@@ -176,13 +183,16 @@ class CompiledEngine(Engine):
         self.compiled = torch.compile(self.step, backend=backend, dynamic=False, fullgraph=True)
         self.static_calls = 0  # how many forwards took the compiled graph
 
-    def forward(self, x: torch.Tensor, plan: StepPlan, *, differentiable: bool = False) -> StepOutput:
+    def forward(
+        self, x: torch.Tensor, plan: StepPlan, *, differentiable: bool = False, cond: torch.Tensor | None = None
+    ) -> StepOutput:
         check_interrupt()  # between two compiled steps (the graph itself runs through)
         if differentiable or not is_static_plan(plan):
-            return super().forward(x, plan, differentiable=differentiable)
+            return super().forward(x, plan, differentiable=differentiable, cond=cond)
+        check_cond(self.stack, cond)
         c, n = self.cache, plan.slots.numel()
         if x.shape[1] != n or plan.positions.numel() != n:
-            return super().forward(x, plan)  # the eager loop reports the malformed plan
+            return super().forward(x, plan, cond=cond)  # the eager loop reports the malformed plan
         window = plan.key_window
         # The window check and the attention path depend on the cache's layout and valid flags
         # only: a plan run again (a flow policy's Euler steps) keeps them while nothing but its
@@ -199,7 +209,9 @@ class CompiledEngine(Engine):
         with torch.inference_mode(), compile_settings(self.frozen):
             if not x.is_inference():  # one kind of input tensor: dynamo guards on it (a second graph)
                 x = x.clone()
-            hidden = self.compiled(x, plan.slots, plan.positions, c.k, c.v, c.valid, c.allowed, window, reads)
+            if cond is not None and not cond.is_inference():
+                cond = cond.clone()
+            hidden = self.compiled(x, plan.slots, plan.positions, c.k, c.v, c.valid, c.allowed, window, reads, cond)
             if self.inline:
                 hidden, k_rows, v_rows = hidden  # [L, B, Hkv, n, D] each
                 c.k.index_copy_(3, plan.slots, k_rows)

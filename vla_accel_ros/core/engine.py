@@ -17,7 +17,11 @@ are computed:
 * packed forward: rows of independent segments in one pass; the cache layout keeps each
   segment attending only to its own history;
 * attention taps: softmax attention of a few query rows at chosen layers, computed next to
-  the fused attention (the other rows never go through eager attention).
+  the fused attention (the other rows never go through eager attention);
+* adaptive norms (adaRMS, pi0.5's action expert): a decoder whose norms are conditioned on a
+  vector per forward (``cond``, e.g. the flow time). Such a norm is called ``norm(x, cond)`` and
+  returns ``(normed, gate)``; the gate scales the residual branch the norm feeds
+  (``x + branch * gate``). The norm is the model's own module (see :func:`adaptive_norm`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,24 @@ class FusedProjection(Protocol):
     members: tuple[nn.Module, ...]
 
     def __call__(self, x: torch.Tensor, *, low: bool = False) -> tuple[torch.Tensor, ...]: ...
+
+
+def is_adaptive(norm: nn.Module) -> bool:
+    """A norm conditioned per forward: called ``norm(x, cond) -> (normed, gate)`` (its class says
+    so with ``adaptive = True``)."""
+    return bool(getattr(norm, "adaptive", False))
+
+
+def adaptive_norm(norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``norm`` applied to ``x``: (normed, None) for a plain norm, (normed, gate) for an adaptive
+    one under ``cond`` [B, C] (the gate [B, 1, H] scales the branch the norm feeds)."""
+    if cond is None:
+        return norm(x), None
+    return norm(x, cond)
+
+
+def gated(branch: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    return branch if gate is None else branch * gate
 
 
 def _fused(parent: nn.Module, names: tuple[str, ...]) -> FusedProjection | None:
@@ -86,6 +108,12 @@ class DecoderStack:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
+        # Adaptive norms (all of them or none): every forward then takes the condition.
+        norms = [model.norm, *(n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
+        self.adaptive = is_adaptive(model.norm)
+        self.cond_dim = int(getattr(model.norm, "cond_dim", 0)) if self.adaptive else 0  # the condition's width
+        if any(is_adaptive(n) != self.adaptive for n in norms):
+            raise TypeError("a decoder's norms must be all adaptive or all plain")
         # The rotary application of the model's own modeling module (identical for Llama and
         # Qwen2 today, but taken from the module so a model family that differs stays right).
         self.apply_rope: Callable = sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -187,6 +215,14 @@ def attention_dtype(bf16_above: int | None, rows: int, dtype: torch.dtype) -> to
     return torch.bfloat16
 
 
+def check_cond(stack: DecoderStack, cond: torch.Tensor | None) -> None:
+    """A condition exactly when the decoder's norms are adaptive (the norms check its width)."""
+    if stack.adaptive and cond is None:
+        raise PlanError("this decoder's norms are adaptive: its forward needs the condition (cond)")
+    if cond is not None and not stack.adaptive:
+        raise PlanError("cond given, but this decoder's norms are plain")
+
+
 def _rel_index(superset: torch.Tensor, subset: torch.Tensor, what: str) -> torch.Tensor:
     """Positions of ``subset`` inside ascending ``superset``; PlanError if one is missing."""
     idx = torch.searchsorted(superset, subset)
@@ -276,20 +312,25 @@ class Engine:
         self.cos, self.sin = stack.rope_table(max_positions, self.dtype, self.device)
         self.bf16_attention_above = bf16_attention_above
 
-    def forward(self, x: torch.Tensor, plan: StepPlan, *, differentiable: bool = False) -> StepOutput:
+    def forward(
+        self, x: torch.Tensor, plan: StepPlan, *, differentiable: bool = False, cond: torch.Tensor | None = None
+    ) -> StepOutput:
         """x: [B, N, H] input embeddings of ``plan.slots`` (in that order).
 
         ``differentiable=True`` runs with autograd on (for guidance that needs d out / d x, e.g.
         Real-Time Chunking): the rows' K/V are then merged out of place and the cache is left
         untouched, so a guided step can be differentiated without disturbing cached state.
+        ``cond`` [B, C]: the condition of a decoder with adaptive norms (required there, refused
+        elsewhere).
         """
+        check_cond(self.stack, cond)
         if differentiable:
             with torch.enable_grad():
-                return self._forward(x, plan, differentiable=True)
+                return self._forward(x, plan, differentiable=True, cond=cond)
         with torch.inference_mode():
-            return self._forward(x, plan, differentiable=False)
+            return self._forward(x, plan, differentiable=False, cond=cond)
 
-    def _forward(self, x: torch.Tensor, plan: StepPlan, differentiable: bool) -> StepOutput:
+    def _forward(self, x: torch.Tensor, plan: StepPlan, differentiable: bool, cond: torch.Tensor | None = None) -> StepOutput:
         """``plan`` layer by layer: the rows each layer computes, the plan's drops at that layer,
         the layer itself, then what the prune hook drops from the next layer on."""
         memo = self._plan_memo(x, plan)
@@ -311,7 +352,7 @@ class Engine:
             computed.append(r.slots.numel())
             if r.slots.numel() == 0:
                 continue
-            r.x = self._layer(l, layer, r, plan.taps if l in tap_layers else None, taps, memo, differentiable)
+            r.x = self._layer(l, layer, r, plan.taps if l in tap_layers else None, taps, memo, differentiable, cond)
             drop = self._hook_drop(l, plan.prune, taps)
             if drop is not None:
                 gone = self._drop_from(l + 1, drop, gone)
@@ -320,7 +361,7 @@ class Engine:
         hidden = None
         if plan.output_slots is not None:
             sel = _rel_index(r.slots, plan.output_slots, "output_slots")
-            hidden = self.stack.norm(r.x[:, sel])
+            hidden = adaptive_norm(self.stack.norm, r.x[:, sel], cond)[0]
         return StepOutput(hidden=hidden, taps=taps, computed_per_layer=computed, dropped=dropped_at)
 
     def _plan_memo(self, x: torch.Tensor, plan: StepPlan) -> _Scratch:
@@ -368,15 +409,16 @@ class Engine:
 
     def _layer(
         self, l: int, layer: nn.Module, r: _Rows, tap: TapSpec | None, taps: TapResult | None, memo: _Scratch,
-        differentiable: bool,
+        differentiable: bool, cond: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Decoder layer ``l`` on the rows of ``r``: attention (the rows' K/V written first), then
-        the MLP; the rows' new hidden states [B, n, H]."""
+        the MLP, each branch gated by its adaptive norm under ``cond``; the rows' new hidden
+        states [B, n, H]."""
         st = self.stack
         B, n = r.x.shape[0], r.slots.numel()
         Hq, Hkv, D = st.num_heads, st.num_kv_heads, st.head_dim
         attn = layer.self_attn
-        h = layer.input_layernorm(r.x)
+        h, gate = adaptive_norm(layer.input_layernorm, r.x, cond)
         fused = st.qkv[l]
         q, k, v = fused(h) if fused is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
         q = q.view(B, n, Hq, D).transpose(1, 2)  # [B, Hq, n, D]
@@ -385,8 +427,9 @@ class Engine:
         q, k = st.apply_rope(q, k, r.cos, r.sin)
         k_cache, v_cache, valid = self._write_kv(l, r.slots, k, v, differentiable)
         o = self._attend(l, q, k_cache, v_cache, valid, r.allowed, r.slots, tap, taps, memo)
-        x = r.x + attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
-        return x + self._mlp(l, layer, layer.post_attention_layernorm(x))
+        x = r.x + gated(attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D)), gate)
+        h, gate = adaptive_norm(layer.post_attention_layernorm, x, cond)
+        return x + gated(self._mlp(l, layer, h), gate)
 
     def _write_kv(
         self, l: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, differentiable: bool

@@ -8,6 +8,9 @@ the model's weights as constants and the KV cache as inputs written in place:
      k_cache [L, 1, Hkv, S, D], v_cache [L, 1, Hkv, S, D], valid [L, S] bool, allowed [S, S] bool)
     -> hidden [1, n, H] (final norm applied)
 
+and for a decoder with adaptive norms (pi0.5's expert) one more input, ``cond`` [1, C] (the
+condition of the step, e.g. the flow time's features).
+
 The graph keeps ``vla_accel::write_kv`` and ``vla_accel::attend`` as single nodes (the custom
 ops of ``vla_accel_ros.kernels.ops``), which is where a TensorRT plugin replaces them
 (docs/runtime.md, "The TensorRT path"). A saved program is torch.export's ``.pt2`` archive: a zip of the graph in
@@ -34,7 +37,7 @@ from vla_accel_ros.core.compiled import StaticStep
 from vla_accel_ros.core.engine import Engine
 from vla_accel_ros.core.errors import ConfigError
 
-INPUTS = ("x", "slots", "positions", "k_cache", "v_cache", "valid", "allowed")
+INPUTS = ("x", "slots", "positions", "k_cache", "v_cache", "valid", "allowed", "cond")
 
 
 def step_inputs(engine: Engine, slots: torch.Tensor, positions: torch.Tensor | None = None, x: torch.Tensor | None = None) -> tuple:
@@ -44,6 +47,15 @@ def step_inputs(engine: Engine, slots: torch.Tensor, positions: torch.Tensor | N
         x = torch.zeros(1, slots.numel(), engine.stack.hidden_size, dtype=engine.dtype, device=engine.device)
     positions = slots if positions is None else positions
     return (x, slots, positions, c.k, c.v, c.valid, c.allowed)
+
+
+def step_kwargs(engine: Engine, cond: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The step's condition where its decoder's norms are adaptive (zeros unless given), else nothing."""
+    if not engine.stack.adaptive:
+        return {}
+    if cond is None:
+        cond = torch.zeros(1, engine.stack.cond_dim, dtype=engine.dtype, device=engine.device)
+    return {"cond": cond}
 
 
 def export_step(engine: Engine, slots: torch.Tensor, positions: torch.Tensor | None = None) -> torch.export.ExportedProgram:
@@ -56,7 +68,7 @@ def export_step(engine: Engine, slots: torch.Tensor, positions: torch.Tensor | N
     args = tuple(a.clone() for a in step_inputs(engine, slots, positions))
     with torch.inference_mode(False), torch.no_grad():
         try:
-            ep = torch.export.export(step, args)
+            ep = torch.export.export(step, args, kwargs=step_kwargs(engine))
         except Exception as e:  # torch.export raises many types; say which layer kind blocked it
             raise ConfigError(f"torch.export of the {slots.numel()}-row step failed ({type(e).__name__}: {e}); "
                               "int8 components do not export, use fp32 or bf16") from e  # fmt: skip
@@ -116,7 +128,8 @@ def check_program(program: torch.export.ExportedProgram, engine: Engine, slots: 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, slots.numel(), engine.stack.hidden_size, generator=g).to(engine.dtype)
     args = tuple(a.clone() for a in step_inputs(engine, slots, x=x))
+    kwargs = step_kwargs(engine, torch.randn(1, engine.stack.cond_dim, generator=g).to(engine.dtype) if engine.stack.adaptive else None)
     with torch.inference_mode():
-        got = program.module()(*args)
-    ref = engine.forward(x, StepPlan(slots=slots, positions=slots, output_slots=slots)).hidden
+        got = program.module()(*args, **kwargs)
+    ref = engine.forward(x, StepPlan(slots=slots, positions=slots, output_slots=slots), **kwargs).hidden
     return float((got - ref).abs().max())

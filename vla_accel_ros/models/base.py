@@ -141,7 +141,7 @@ class PolicyBase:
         self.bundle_path = bundle_path  # where files beside the weights are looked for (tokenizer, calibration)
         self.tokenizer = self.make_tokenizer()
         self._layouts: dict[str, tuple[PrefixLayout, list[int]]] = {}
-        self._static: dict[str, torch.Tensor] = {}
+        self._static: dict[tuple[int, ...], torch.Tensor] = {}
         self._chunk_id = 0
         self._vision_cache: VisionCache | None = None  # built by the first plan that reuses vision features
         self.motion_mode = MOTION_MODES[0]
@@ -268,7 +268,11 @@ class PolicyBase:
         return format_instruction(self.spec.instruction_template, instruction or self.spec.default_instruction)
 
     def text_ids(self, instruction: str) -> list[int]:
-        ids = self.tokenizer.encode(self.prompt(instruction))
+        return self.prompt_ids(self.prompt(instruction))
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """The token ids of a prompt as the tokenizer reads it (ObservationError beyond max_text_tokens)."""
+        ids = self.tokenizer.encode(text)
         if len(ids) > self.spec.max_text_tokens:
             raise ObservationError(
                 f"instruction is {len(ids)} tokens long with its template; the bundle accepts "
@@ -277,14 +281,23 @@ class PolicyBase:
         return ids
 
     def layout_for(self, instruction: str) -> tuple[PrefixLayout, list[int]]:
-        hit = self._layouts.get(instruction)
+        return self.layout_for_prompt(self.prompt(instruction))
+
+    def layout_for_prompt(self, text: str) -> tuple[PrefixLayout, list[int]]:
+        """The layout and token ids of the prefix of prompt ``text`` (kept: prompts rarely change)."""
+        hit = self._layouts.get(text)
         if hit is None:
-            ids = self.text_ids(instruction)
+            ids = self.prompt_ids(text)
             hit = (self._make_layout(len(ids)), ids)
             if len(self._layouts) > 16:  # instructions rarely change; keep the map small
                 self._layouts.clear()
-            self._layouts[instruction] = hit
+            self._layouts[text] = hit
         return hit
+
+    def layout_of(self, obs: Observation) -> tuple[PrefixLayout, list[int]]:
+        """The layout and token ids of this observation's prefix: its instruction's (a family whose
+        prompt carries more of the observation, pi0.5's discretized state, says so here)."""
+        return self.layout_for(obs.instruction)
 
     @torch.inference_mode()
     def prefix_embeddings(
@@ -297,12 +310,13 @@ class PolicyBase:
         tower, the others take the embeddings ``vision`` holds (default: the policy's own vision
         cache; another KV cache with its own planner, a pipeline's, brings its own); None: every
         patch of ``cams``, the stock tower's forward."""
-        static = self._static.get(obs.instruction)
+        key = tuple(ids)  # the rows depend on the token ids alone (a prompt may carry the state)
+        static = self._static.get(key)
         if static is None:
             static = self._static_prefix(layout, ids)
             if len(self._static) > 16:
                 self._static.clear()
-            self._static[obs.instruction] = static
+            self._static[key] = static
         full = static.clone()
         if cams:
             if fresh is None:
@@ -324,14 +338,14 @@ class PolicyBase:
 
     def full_prefix(self, obs: Observation) -> tuple[PrefixLayout, torch.Tensor]:
         """Layout and [P, H] embeddings of the whole prefix (every camera through the tower)."""
-        layout, ids = self.layout_for(obs.instruction)
+        layout, ids = self.layout_of(obs)
         frames = self.frames(obs)
         return layout, self.prefix_embeddings(obs, layout, ids, frames.pixels, self.all_cameras(layout))
 
     @torch.inference_mode()
     def engine_prefix_hidden(self, obs: Observation, plan: PrefixPlan | None = None) -> torch.Tensor:
         """The engine's final hidden states of the prefix rows computed at the last layer."""
-        layout, ids = self.layout_for(obs.instruction)
+        layout, ids = self.layout_of(obs)
         self.prepare_cache(layout)
         frames = self.frames(obs)
         if plan is None:

@@ -1,7 +1,7 @@
 """Model families as plug-ins: what a family module implements, and the registry that finds it.
 
 A *family* is one kind of policy a bundle can hold (``config.json``'s ``family``): the
-package's own ``ar`` and ``flow``, and LeRobot's ``smolvla`` and ``pi0``. Everything that differs between
+package's own ``ar`` and ``flow``, and LeRobot's ``smolvla``, ``pi0`` and ``pi05``. Everything that differs between
 families lives in the family's module, behind the small protocol of :class:`Family`; the rest
 of the package (bundle loading, the parity gate, precision, replay, evaluation, training, the
 nodes) asks the family and never branches on its name.
@@ -31,6 +31,7 @@ _MODULES = {
     "flow": "vla_accel_ros.models.flow",
     "smolvla": "vla_accel_ros.models.smolvla",
     "pi0": "vla_accel_ros.models.pi0",
+    "pi05": "vla_accel_ros.models.pi05",
 }
 
 

@@ -111,6 +111,11 @@ class FlowPolicy(PolicyBase):
         """The expert's input rows for the noisy chunk at flow time t.  x_t: [B, H, D] -> [B, n, W]"""
         return self.model.suffix_embeddings(x_t, t)
 
+    def expert_condition(self, t: float) -> torch.Tensor | None:
+        """The condition of an expert with adaptive norms at flow time t ([1, C]; pi0.5's time
+        features); None for a plain expert (the time is in its input rows)."""
+        return None
+
     def _build_engines(self) -> None:
         """One cache: the VLM writes the prefix rows, the expert writes and reads the chunk rows."""
         self.expert_stack = DecoderStack(self.model.expert)
@@ -146,30 +151,24 @@ class FlowPolicy(PolicyBase):
         """``vla-accel bench engine``'s comparisons, transformers against the engine: (name,
         (label, fn), (label, fn), repeat factor) for the prefill, one denoise step over the
         cached prefix and a whole inference. ``full``: the prefix embeddings [P, H]."""
-        P, h = layout.length, self.spec.chunk_size
+        P = layout.length
         all_slots = layout.all_slots()
         full_step = StepPlan(slots=all_slots, positions=all_slots, output_slots=all_slots[-1:])
-        x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, h, self.spec.action_dim)).astype(np.float32))
-        mask = torch.ones(1, 1, P, P, dtype=torch.bool)
+        x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, *self.noise_shape)).astype(np.float32))
 
         def hf_prefill():
             with torch.inference_mode():
-                return self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True)
+                return self.reference_prefill(full)
 
         def eng_prefill():
             return self.vlm_engine.forward(full[None], full_step)
 
-        pkv = hf_prefill().past_key_values
+        pkv = hf_prefill()
         eng_prefill()
-        pos = torch.arange(P, P + h)[None]
-        smask = torch.ones(1, 1, h, P + h, dtype=torch.bool)
 
         def hf_step():
             with torch.inference_mode():
-                emb = self.model.suffix_embeddings(x, 0.5)
-                out = self.model.expert(inputs_embeds=emb, attention_mask=smask, position_ids=pos, past_key_values=pkv, use_cache=True)
-                pkv.crop(-h)
-                return self.model.action_out(out.last_hidden_state)
+                return self.reference_velocity(x, 0.5, pkv, P)
 
         noise = x[0].numpy()
         return [
@@ -217,12 +216,14 @@ class FlowPolicy(PolicyBase):
     ) -> torch.Tensor:
         """One expert pass over the cached prefix.  x_t: [1, H, D] -> v: [1, H, D]"""
         plan = plan or self.expert_plan(length)
+        cond = self.expert_condition(t)
+        extra = {} if cond is None else {"cond": cond}  # a plain expert's engine (SmolVLA's own) takes none
         if differentiable:
             with torch.enable_grad():
-                out = self.expert_engine.forward(self.suffix_embeddings(x_t, t), plan, differentiable=True)
+                out = self.expert_engine.forward(self.suffix_embeddings(x_t, t), plan, differentiable=True, **extra)
                 return self.model.action_out(out.hidden)
         with torch.inference_mode():
-            out = self.expert_engine.forward(self.suffix_embeddings(x_t, t), plan)
+            out = self.expert_engine.forward(self.suffix_embeddings(x_t, t), plan, **extra)
             return self.model.action_out(out.hidden)
 
     def flow_times(self) -> list[float]:
@@ -268,7 +269,7 @@ class FlowPolicy(PolicyBase):
     def infer(self, obs: Observation, *, noise: np.ndarray | None = None, guidance: ChunkGuidance | None = None) -> ActionChunk:
         timer = StageTimer()
         with timer.stage("preprocess"):
-            layout, ids = self.layout_for(obs.instruction)
+            layout, ids = self.layout_of(obs)
             self.prepare_cache(layout)
             frames = self.frames(obs)
             ctx = self.context(obs, layout, frames)
@@ -351,36 +352,48 @@ class FlowPolicy(PolicyBase):
         whole prefix's embeddings [P, H] and the noise [1, H, D]."""
         timer = StageTimer()
         with timer.stage("preprocess"):
-            layout, ids = self.layout_for(obs.instruction)
+            layout, ids = self.layout_of(obs)
             frames = self.frames(obs)
             x = self._noise(noise)
         with timer.stage("vision"):
             full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.all_cameras(layout))
         return timer, layout, full, x
 
+    def reference_prefill(self, full: torch.Tensor):
+        """transformers' VLM over the whole prefix [P, H] (bidirectional 4-D mask) -> its DynamicCache."""
+        p = full.shape[0]
+        mask = torch.ones(1, 1, p, p, dtype=torch.bool)
+        return self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True).past_key_values
+
+    def reference_velocity(self, x: torch.Tensor, t: float, pkv, prefix_len: int) -> torch.Tensor:
+        """transformers' expert over the chunk at flow time t with the prefix's DynamicCache,
+        cropped back to the prefix after.  x: [1, H, D] -> v: [1, H, D]"""
+        h = x.shape[1]
+        pos = torch.arange(prefix_len, prefix_len + h)[None]
+        mask = torch.ones(1, 1, h, prefix_len + h, dtype=torch.bool)
+        hid = self.model.expert(
+            inputs_embeds=self.suffix_embeddings(x, t), attention_mask=mask, position_ids=pos, past_key_values=pkv, use_cache=True
+        ).last_hidden_state
+        pkv.crop(-h)  # drop this step's chunk rows, keep the prefix
+        return self.model.action_out(hid)
+
     @torch.inference_mode()
     def reference_infer(self, obs: Observation, *, noise: np.ndarray | None = None) -> ActionChunk:
         """transformers' own forwards: the VLM prefix once into a DynamicCache, then per Euler
-        step the expert over that cache (cropped back to the prefix after each step)."""
+        step the expert over that cache (:meth:`reference_velocity`)."""
         timer, layout, full, x = self.reference_prefix(obs, noise)
-        p, h = layout.length, self.spec.chunk_size
         with timer.stage("prefill"):
-            mask = torch.ones(1, 1, p, p, dtype=torch.bool)
-            pkv = self.model.vlm(inputs_embeds=full[None], attention_mask=mask, use_cache=True).past_key_values
+            pkv = self.reference_prefill(full)
         with timer.stage("denoise"):
             dt = 1.0 / self.num_steps
-            pos = torch.arange(p, p + h)[None]
-            smask = torch.ones(1, 1, h, p + h, dtype=torch.bool)
-            for i in range(self.num_steps):
-                t = 1.0 - i * dt
-                emb = self.model.suffix_embeddings(x, t)
-                hid = self.model.expert(
-                    inputs_embeds=emb, attention_mask=smask, position_ids=pos, past_key_values=pkv, use_cache=True
-                ).last_hidden_state
-                pkv.crop(-h)  # drop this step's chunk rows, keep the prefix
-                x = x - dt * self.model.action_out(hid)
+            for t in self.flow_times():
+                x = x - dt * self.reference_velocity(x, t, pkv, layout.length)
+        return self.reference_chunk(obs, timer, x)
+
+    def reference_chunk(self, obs: Observation, timer: StageTimer, x: torch.Tensor) -> ActionChunk:
+        """The reference path's end: the integrated chunk [1, H, A] as actions (timed)."""
         with timer.stage("postprocess"):
-            actions = self.action_norm.unnormalize_meanstd(x[0].numpy()).astype(np.float32)
+            actions = self.actions_out(x)
         return ActionChunk(
             actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, joint_names=self.spec.joint_names,
             timings_ms=timer.finish(), stats={"mode": "transformers"},

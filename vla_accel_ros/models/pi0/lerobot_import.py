@@ -41,14 +41,17 @@ _OLD_LAYOUT = (  # the published checkpoints' names -> transformers 4.53's (LeRo
     (re.compile(r"\.paligemma\.multi_modal_projector"), ".paligemma.model.multi_modal_projector"),
 )
 _PG = "model.paligemma_with_expert.paligemma."
-_KEY_MAP = (  # 4.53's names -> ours
+PALIGEMMA_KEYS = (  # 4.53's names -> ours: what pi0 and pi0.5 checkpoints share
     (_PG + "model.vision_tower.vision_model.", "vis.vision."),
     (_PG + "model.multi_modal_projector.linear.", "vis.projector."),
     (_PG + "model.language_model.", "vlm."),
     ("model.paligemma_with_expert.gemma_expert.model.", "expert."),
-    ("model.state_proj.", "state_proj."),
     ("model.action_in_proj.", "action_in."),
     ("model.action_out_proj.", "action_out."),
+)
+_KEY_MAP = (
+    *PALIGEMMA_KEYS,
+    ("model.state_proj.", "state_proj."),
     ("model.action_time_mlp_in.", "time_in."),
     ("model.action_time_mlp_out.", "time_out."),
 )
@@ -60,28 +63,99 @@ def _layers(weights: dict[str, torch.Tensor], prefix: str) -> int:
     return 1 + max((int(k[len(prefix):].split(".")[0]) for k in weights if k.startswith(prefix)), default=-1)
 
 
-def _map_weights(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, list[float]]]]:
-    """Our names (either layout accepted) and the normalization statistics of the state dict."""
+def map_weights(
+    state: dict[str, torch.Tensor], key_map=_KEY_MAP, stats_keys=_STATS, unused=_UNUSED, what: str = "pi0"
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, list[float]]]]:  # fmt: skip
+    """Our names (either layout accepted) and the normalization statistics the state dict holds
+    (``stats_keys``: prefix -> feature; pi0.5 keeps them in its processors instead)."""
     weights, stats = {}, {}
     for key, value in state.items():
         for pattern, new in _OLD_LAYOUT:
             key = pattern.sub(new, key)
-        stat = next((s for s in _STATS if key.startswith(s)), None)
+        stat = next((s for s in stats_keys if key.startswith(s)), None)
         if stat is not None:
-            stats.setdefault(_STATS[stat], {})[key[len(stat):]] = value.float().reshape(-1).tolist()
+            stats.setdefault(stats_keys[stat], {})[key[len(stat):]] = value.float().reshape(-1).tolist()
             continue
-        if key.startswith(_UNUSED):
+        if key.startswith(unused):
             continue
         if key == _PG + "lm_head.weight":  # tied: the token embedding
             weights.setdefault("vlm.embed_tokens.weight", value.float().contiguous())
             continue
-        for src, dst in _KEY_MAP:
+        for src, dst in key_map:
             if key.startswith(src):
                 weights[dst + key[len(src):]] = value.float().contiguous()
                 break
         else:
-            raise BundleError(f"model.safetensors: unexpected weight {key} for a LeRobot pi0 checkpoint")
+            raise BundleError(f"model.safetensors: unexpected weight {key} for a LeRobot {what} checkpoint")
     return weights, stats
+
+
+def open_checkpoint(policy_dir: str | Path, out: str | Path, kind: str) -> tuple[Path, Path, dict]:
+    """(policy_dir, out, LeRobot's config.json) of a checkpoint of policy type ``kind``; ``out``
+    must not exist (bundles are never overwritten)."""
+    policy_dir, out = Path(policy_dir), Path(out)
+    if out.exists():
+        raise BundleError(f"{out} exists already; bundles are never overwritten")
+    cfg = _read_json(policy_dir / CONFIG_FILE)
+    if cfg.get("type") != kind:
+        raise BundleError(f"config.json: type={cfg.get('type')!r}; this importer reads LeRobot {kind} checkpoints")
+    return policy_dir, out, cfg
+
+
+def load_weights(policy_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(policy_dir / WEIGHTS_FILE))
+    except (SafetensorError, OSError) as e:
+        raise BundleError(f"{policy_dir / WEIGHTS_FILE}: unreadable safetensors file: {e}") from e
+
+
+def features(cfg: dict, what: str) -> tuple[dict[str, str], int, int]:
+    """LeRobot's camera feature -> camera name (blank ``empty_camera_*`` ones left out: nobody
+    attends to them), the state and action sizes, from a policy's config.json."""
+    feats = cfg.get("input_features") or {}
+    image_keys = [k for k, f in feats.items() if (f or {}).get("type") == "VISUAL" and "empty_camera_" not in k]
+    cameras = {k: k.removeprefix("observation.images.") for k in image_keys}
+    state_dim = int((feats.get("observation.state") or {}).get("shape", [0])[0])
+    action_dim = int(((cfg.get("output_features") or {}).get("action") or {}).get("shape", [0])[0])
+    if not cameras or not state_dim or not action_dim:
+        raise BundleError(f"config.json: {what} needs camera (VISUAL) features, observation.state and an action output")
+    return cameras, state_dim, action_dim
+
+
+def vision_from_weights(weights: dict[str, torch.Tensor], vision_heads: int | None, image_size: int) -> dict[str, Any]:
+    """SigLIP's config from its weights' shapes; the head count (in no shape) So400m's 16 for its
+    1152-wide tower, else ``vision_heads``; its image size must be ``image_size`` (the config's)."""
+    patch = weights["vis.vision.embeddings.patch_embedding.weight"]
+    v_width, p = int(patch.shape[0]), int(patch.shape[-1])
+    if vision_heads is None:
+        vision_heads = SIGLIP_HEADS.get(v_width)
+        if vision_heads is None:
+            raise ConfigError(
+                f"SigLIP's head count is not in its weights (width {v_width}; So400m's 1152 has 16): pass --vision-heads N"
+            )
+    if v_width % vision_heads:
+        raise ConfigError(f"--vision-heads {vision_heads} does not divide SigLIP's width {v_width}")
+    grid = int(round(weights["vis.vision.embeddings.position_embedding.weight"].shape[0] ** 0.5))
+    vision = {
+        "hidden_size": v_width, "intermediate_size": int(weights["vis.vision.encoder.layers.0.mlp.fc1.weight"].shape[0]),
+        "num_hidden_layers": _layers(weights, "vis.vision.encoder.layers."), "num_attention_heads": int(vision_heads),
+        "image_size": grid * p, "patch_size": p, "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh",
+    }  # fmt: skip
+    if image_size != vision["image_size"]:
+        raise ConfigError(f"the config's image size {image_size} but SigLIP's position table is for {vision['image_size']} px")
+    return vision
+
+
+def gemma_sections(weights: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The VLM's and the expert's Gemma configs from their weights (one K/V head each; the
+    expert's head size is the VLM's: they attend jointly)."""
+    vocab = int(weights["vlm.embed_tokens.weight"].shape[0])
+    lm = _gemma(weights, "vlm.", None, vocab_size=vocab, pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    expert = _gemma(weights, "expert.", lm["head_dim"], vocab_size=1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return lm, expert
 
 
 def find_tokenizer(tokenizer: str | Path | None) -> Path:
@@ -121,16 +195,9 @@ def import_lerobot(
     **unused,
 ) -> Path:  # fmt: skip
     """Write a ``pi0`` bundle at ``out`` from LeRobot's saved pi0 policy at ``policy_dir``."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    policy_dir, out = Path(policy_dir), Path(out)
-    if out.exists():
-        raise BundleError(f"{out} exists already; bundles are never overwritten")
-    cfg = _read_json(policy_dir / CONFIG_FILE)
-    if cfg.get("type") != "pi0":
-        raise BundleError(f"config.json: type={cfg.get('type')!r}; this importer reads LeRobot pi0 checkpoints")
+    policy_dir, out, cfg = open_checkpoint(policy_dir, out, "pi0")
     if cfg.get("use_delta_joint_actions_aloha"):
         raise ConfigError("use_delta_joint_actions_aloha=true: LeRobot itself does not implement it (NotImplementedError)")
     size = cfg.get("resize_imgs_with_padding")
@@ -141,42 +208,13 @@ def import_lerobot(
         allowed = ("IDENTITY",) if kind == "VISUAL" else ("IDENTITY", "MEAN_STD", "MIN_MAX")
         if mode not in allowed:
             raise ConfigError(f"normalization_mapping.{kind}={mode}: LeRobot 0.3.3's pi0 path here supports {', '.join(allowed)}")
-    try:
-        state = load_file(str(policy_dir / WEIGHTS_FILE))
-    except (SafetensorError, OSError) as e:
-        raise BundleError(f"{policy_dir / WEIGHTS_FILE}: unreadable safetensors file: {e}") from e
-    weights, stats = _map_weights(state)
-
-    feats = cfg.get("input_features") or {}
-    image_keys = [k for k, f in feats.items() if (f or {}).get("type") == "VISUAL" and "empty_camera_" not in k]
-    cameras = {k: k.removeprefix("observation.images.") for k in image_keys}
-    state_dim = int((feats.get("observation.state") or {}).get("shape", [0])[0])
-    action_dim = int(((cfg.get("output_features") or {}).get("action") or {}).get("shape", [0])[0])
-    if not cameras or not state_dim or not action_dim:
-        raise BundleError("config.json: pi0 needs camera (VISUAL) features, observation.state and an action output")
-
+    weights, stats = map_weights(load_weights(policy_dir))
+    cameras, state_dim, action_dim = features(cfg, "pi0")
     # Sizes from the weights (0.3.3 does not write them).
-    patch = weights["vis.vision.embeddings.patch_embedding.weight"]
-    v_width, p = int(patch.shape[0]), int(patch.shape[-1])
-    if vision_heads is None:
-        vision_heads = SIGLIP_HEADS.get(v_width)
-        if vision_heads is None:
-            raise ConfigError(
-                f"SigLIP's head count is not in its weights (width {v_width}; So400m's 1152 has 16): pass --vision-heads N"
-            )
-    if v_width % vision_heads:
-        raise ConfigError(f"--vision-heads {vision_heads} does not divide SigLIP's width {v_width}")
-    grid = int(round(weights["vis.vision.embeddings.position_embedding.weight"].shape[0] ** 0.5))
-    vision = {
-        "hidden_size": v_width, "intermediate_size": int(weights["vis.vision.encoder.layers.0.mlp.fc1.weight"].shape[0]),
-        "num_hidden_layers": _layers(weights, "vis.vision.encoder.layers."), "num_attention_heads": int(vision_heads),
-        "image_size": grid * p, "patch_size": p, "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh",
-    }  # fmt: skip
-    if int(size[0]) != vision["image_size"]:
-        raise ConfigError(f"resize_imgs_with_padding={list(size)} but SigLIP's position table is for {vision['image_size']} px")
-    vocab = int(weights["vlm.embed_tokens.weight"].shape[0])
-    lm = _gemma(weights, "vlm.", None, vocab_size=vocab, pad_token_id=0, bos_token_id=2, eos_token_id=1)
-    expert = _gemma(weights, "expert.", lm["head_dim"], vocab_size=1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    vision = vision_from_weights(weights, vision_heads, int(size[0]))
+    vision_heads = vision["num_attention_heads"]
+    lm, expert = gemma_sections(weights)
+    vocab = lm["vocab_size"]
 
     tok_dir = find_tokenizer(tokenizer)
     tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
@@ -191,7 +229,7 @@ def import_lerobot(
     stats = {"state": stats.get("state", {}), "action": stats.get("action", {})}
     spec = BundleSpec(
         family="pi0", name=name or policy_dir.resolve().name, cameras=tuple(cameras.values()), image_size=int(size[0]),
-        patch_size=p, image_resize="pad", tokenizer="bundle", instruction_template="{instruction}",
+        patch_size=vision["patch_size"], image_resize="pad", tokenizer="bundle", instruction_template="{instruction}",
         default_instruction=default_instruction, max_text_tokens=max(256, int(cfg.get("tokenizer_max_length", 48))),
         text_vocab=vocab, action_dim=action_dim, chunk_size=chunk, dt=1.0 / fps,
         joint_names=tuple(joint_names) if joint_names else demo.joint_names(action_dim), state_dim=state_dim,

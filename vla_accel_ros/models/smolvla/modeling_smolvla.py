@@ -308,12 +308,7 @@ class SmolVLAPolicy(LeRobotPolicy):
                 t = 1.0 - i * dt
                 hid = self._reference_expert(self.model.suffix_embeddings(x, t), prefix_kv, layout.length)
                 x = x - dt * self.model.action_out(hid)
-        with timer.stage("postprocess"):
-            actions = self.actions_out(x)
-        return ActionChunk(
-            actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, joint_names=self.spec.joint_names,
-            timings_ms=timer.finish(), stats={"mode": "transformers"},
-        )  # fmt: skip
+        return self.reference_chunk(obs, timer, x)
 
     def _prefix_kv(self, layout: PrefixLayout, full: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """transformers' own VLM forward over prefixes [B, P, W] (a 4-D mask, its DynamicCache)
@@ -368,7 +363,7 @@ class SmolVLAPolicy(LeRobotPolicy):
         pipeline order (``vla-accel parity --reference``): the first camera's pixels and
         connector output, the prefix embeddings (the fixture's padding rows left out), the
         padded state, the velocity at t = 1 and the final padded sample."""
-        layout, ids = self.layout_for(obs.instruction)
+        layout, ids = self.layout_of(obs)
         self.prepare_cache(layout)
         frames = self.frames(obs)
         full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.all_cameras(layout))
