@@ -5,6 +5,7 @@ bundles; skipped with a reason where a runtime is not installed)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,20 +161,31 @@ def test_backend_config_and_mode_suffixes():
     p = mode_of("cache@auto+openvino+compile").policy["precision"]
     assert p["backend"] == "openvino" and p["compile"] and p["vision"] == "auto"
     assert mode_of("baseline@onnxruntime").policy["precision"] == {"backend": "onnxruntime", "compile": False}
-    assert mode_of("baseline@bf16+compile").policy["precision"]["backend"] == "torch"
+    assert "backend" not in mode_of("baseline@bf16+compile").policy["precision"]  # torch: the default
     for bad in ("baseline@onnxruntime+openvino", "baseline@auto+bf16+openvino", "transformers@openvino", "baseline@+openvino"):
         with pytest.raises(ConfigError):
             parse_modes(bad)
 
 
-@pytest.mark.parametrize("family", ["flow", "ar"])
-def test_other_families_export_their_vision_too(tiny_bundles, family):
+PI0_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "pi0-lerobot"
+
+
+@pytest.mark.parametrize("family", ["flow", "ar", "pi0"])
+def test_other_families_export_their_vision_too(tiny_bundles, family, tmp_path):
     """The graph is ``model.vis``, whatever the family: the SigLIP tower + projector of the
-    package's own bundles exports and matches as well."""
+    package's own bundles and of pi0 (the LeRobot fixture) export and match as well."""
     pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
     from vla_accel_ros.models.graphs import check_vision_runner, vision_runner
 
-    policy = load_policy(tiny_bundles[family], PolicyConfig(parity_check=False))
+    if family == "pi0":
+        if not PI0_FIXTURE.is_dir():
+            pytest.skip(f"{PI0_FIXTURE} is missing (../shared beside the checkout)")
+        from vla_accel_ros.models.pi0.lerobot_import import import_lerobot
+
+        path = import_lerobot(PI0_FIXTURE / "policy", tmp_path / "pi0", tokenizer=PI0_FIXTURE / "tokenizer", vision_heads=4)
+    else:
+        path = tiny_bundles[family]
+    policy = load_policy(path, PolicyConfig(parity_check=False))
     runner = vision_runner(policy.model, policy.spec, PrecisionConfig(backend="onnxruntime"), threads=1)
     pixels = policy.frames(fixed_observation(policy.spec)).pixels
     assert check_vision_runner(runner, policy.model, pixels) < 1e-4
@@ -217,3 +229,12 @@ def test_export_onnx_steps_match_the_engine(smolvla, tmp_path):
     assert main(["export", "--bundle", base.bundle_path, "--out", str(out), "--onnx", "--steps", "--tolerance", "1e-4"]) == 0
     step = json.loads((out / "export.json").read_text())["graphs"]["step/prefill"]
     assert step["max_abs_vs_engine"] < 1e-4 and (out / "prefill.onnx").is_file()
+
+
+def test_parity_cli_gates_a_backend(smolvla, capsys):
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    from vla_accel_ros.cli import main
+
+    assert main(["parity", "--bundle", smolvla[0].bundle_path, "--backend", "onnxruntime"]) == 0
+    out = capsys.readouterr().out
+    assert "vision on onnxruntime" in out and "fp32 +onnxruntime: against the fp32 reference" in out and "PASS" in out

@@ -142,7 +142,7 @@ def mode_of(name: str) -> Mode:
     if mode.reference and (compiled or backend != "torch" or any(v != "fp32" for v in precision.values())):
         raise ConfigError(f"mode {name!r}: the transformers path runs fp32 eager on torch (it is the reference)")
     what = (rest[0] if rest else "fp32") + ("" if backend == "torch" else f", vision on {backend}") + (", compiled" if compiled else "")
-    policy = {**mode.policy, "precision": {**precision, "compile": compiled, "backend": backend}}
+    policy = {**mode.policy, "precision": {**precision, "compile": compiled, **({} if backend == "torch" else {"backend": backend})}}
     return dataclasses.replace(mode, policy=policy, doc=f"{mode.doc} ({what})")
 
 

@@ -166,6 +166,9 @@ class GraphRunner:
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = self.threads  # torch's count: the two never run at once
             opts.inter_op_num_threads = 1
+            # Its idle threads would spin after each call, on the cores the engine's torch
+            # steps run on next.
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
             name = session.get_inputs()[0].name
