@@ -97,28 +97,34 @@ COMPILE = "compile"
 
 def mode_of(name: str) -> Mode:
     """The mode a name runs: one of :data:`MODES`, optionally with a runtime suffix
-    ``@<precision preset>[+compile]`` or ``@compile`` (e.g. ``baseline@bf16``,
-    ``cache+prune@int8+compile``): the base mode at that precision (presets of
-    :data:`vla_accel_ros.core.precision.PRESETS`), compiled or eager. Unsuffixed: fp32 eager."""
-    from vla_accel_ros.core.precision import PRESETS, preset
+    ``@<precision preset>[+<backend>][+compile]`` (e.g. ``baseline@bf16``,
+    ``cache+prune@int8+compile``, ``baseline@auto+openvino``, ``baseline@onnxruntime``): the
+    base mode at that precision (presets of :data:`vla_accel_ros.core.precision.PRESETS`),
+    its vision tower on that backend (:data:`~vla_accel_ros.core.precision.BACKENDS`; torch
+    when none is named), compiled or eager. Unsuffixed: fp32 eager on torch."""
+    from vla_accel_ros.core.precision import BACKENDS, PRESETS, preset
 
     base, at, suffix = name.partition("@")
     if base not in MODES:
-        raise ConfigError(f"unknown mode {base!r}; choose from {', '.join(MODES)} (with @<precision>[+compile])")
+        raise ConfigError(f"unknown mode {base!r}; choose from {', '.join(MODES)} (with @<precision>[+<backend>][+compile])")
     mode = MODES[base]
     if not at:
         return mode
     parts = suffix.split("+")
-    compiled = parts[-1] == COMPILE
-    if compiled:
-        parts = parts[:-1]
-    if len(parts) > 1 or parts == [""]:
-        raise ConfigError(f"mode {name!r}: the suffix is @<precision>[+compile] or @compile, precision one of {', '.join(PRESETS)}")
-    precision = preset(parts[0]) if parts else {}
-    if mode.reference and (compiled or any(v != "fp32" for v in precision.values())):
-        raise ConfigError(f"mode {name!r}: the transformers path runs fp32 eager (it is the reference)")
-    what = (parts[0] if parts else "fp32") + (", compiled" if compiled else "")
-    policy = {**mode.policy, "precision": {**precision, "compile": compiled}}
+    compiled = COMPILE in parts
+    backends = [p for p in parts if p in BACKENDS and p != "torch"]
+    rest = [p for p in parts if p != COMPILE and p not in backends]
+    if len(rest) > 1 or rest == [""] or len(backends) > 1 or parts.count(COMPILE) > 1:
+        raise ConfigError(
+            f"mode {name!r}: the suffix is @<precision>[+<backend>][+compile], precision one of {', '.join(PRESETS)}, "
+            f"backend one of {', '.join(b for b in BACKENDS if b != 'torch')}"
+        )
+    precision = preset(rest[0]) if rest else {}
+    backend = backends[0] if backends else "torch"
+    if mode.reference and (compiled or backend != "torch" or any(v != "fp32" for v in precision.values())):
+        raise ConfigError(f"mode {name!r}: the transformers path runs fp32 eager on torch (it is the reference)")
+    what = (rest[0] if rest else "fp32") + ("" if backend == "torch" else f", vision on {backend}") + (", compiled" if compiled else "")
+    policy = {**mode.policy, "precision": {**precision, "compile": compiled, **({} if backend == "torch" else {"backend": backend})}}
     return dataclasses.replace(mode, policy=policy, doc=f"{mode.doc} ({what})")
 
 
@@ -252,10 +258,10 @@ def build_runs(bundle, names: list[str], cfg, gate_observations=None) -> list[Mo
     if drafted and not family.token_actions:
         raise ConfigError(f"mode(s) {', '.join(drafted)} draft ar action tokens; bundle {bundle.spec.name} is {bundle.spec.family}")
     base = load_policy(bundle, configs[BASELINE])
-    converted: dict = {}  # one converted copy of the weights per precision
+    converted: dict = {}  # per precision one converted copy of the weights; exported graphs; the gate's fp32 reference
     runs = []
     for n in names:
-        gate = gate_observations if configs[n].precision.reduced else None
+        gate = gate_observations if configs[n].precision.gated_against_fp32 else None
         policy = base if n == BASELINE else sibling_policy(base, configs[n], converted=converted, gate_observations=gate)
         run = ModeRun(n, modes[n], policy, configs[n].to_dict())
         if modes[n].pipelined:

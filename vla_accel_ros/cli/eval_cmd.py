@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--episodes", type=int, default=20, help="episodes per mode (default %(default)s)")
     p.add_argument(
         "--modes", default="baseline,cache",
-        help="comma-separated modes, as `vla-accel replay` (baseline added; @<precision>[+compile] suffixes), and "
+        help="comma-separated modes, as `vla-accel replay` (baseline added; @<precision>[+<backend>][+compile] suffixes), and "
         "lerobot: LeRobot's own runtime on the same seeds and noise (--lerobot-python)",
     )  # fmt: skip
     p.add_argument("--lerobot", type=Path, default=None, metavar="DIR",

@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="precision preset gated against the bundle's fp32 path (fp32, bf16, int8, hybrid, auto); limits: config/aloha.yaml",
     )  # fmt: skip
     p.add_argument("--compile", action="store_true", help="gate the compiled static steps (torch.compile)")
+    p.add_argument("--backend", default="torch", choices=("torch", "onnxruntime", "openvino"),
+                   help="gate the vision tower as an ONNX graph on this runtime (at the vision precision)")
     p.add_argument(
         "--reference", metavar="DIR",
         help="instead: compare the bundle's fp32 actions with a reference implementation's own outputs in DIR (a fixture "
@@ -42,10 +44,11 @@ def _run(args: argparse.Namespace) -> int:
     from vla_accel_ros.core.precision import preset
     from vla_accel_ros.models.factory import load_policy
 
-    precision = {**preset(args.precision), "compile": args.compile}
+    precision = {**preset(args.precision), "compile": args.compile, "backend": args.backend}
     config = PolicyConfig.from_dict({"accel": args.accel, "parity_tolerance": args.tolerance, "precision": precision})
-    print(f"parity of {args.bundle} (accel={args.accel}, precision={args.precision}{', compiled' if args.compile else ''})")
-    if config.precision.reduced:  # the gate needs the fp32 reference the policy builds at load, and runs there
+    print(f"parity of {args.bundle} (accel={args.accel}, precision={args.precision}{', compiled' if args.compile else ''}"
+          f"{'' if args.backend == 'torch' else ', vision on ' + args.backend})")  # fmt: skip
+    if config.precision.gated_against_fp32:  # the gate needs the fp32 reference the policy builds at load, and runs there
         with progress_bar(1, "parity", "step") as bar:
             bar.set_postfix_str("loading and gating")
             try:

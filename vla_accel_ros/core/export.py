@@ -23,6 +23,10 @@ instruction) and ``decode`` (one token); ``flow``: ``prefill`` and ``expert`` (t
 over the cached prefix).
 Only fp32 and bf16 components export: PyTorch's int8 dynamic linear holds packed weights that
 live in the exporting process (compiled graphs reach them through ``vla_accel::int8_linear``).
+
+The same steps export to ONNX (:func:`export_onnx_step`, ``vla-accel export --onnx --steps``):
+a functional graph with the attention as standard ops (:class:`OnnxStep`), for ONNX Runtime,
+OpenVINO and TensorRT; checked against the engine on ONNX Runtime, not yet run by a policy.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from torch import nn
 
 from vla_accel_ros.core.compiled import StaticStep
 from vla_accel_ros.core.engine import Engine
@@ -133,3 +139,57 @@ def check_program(program: torch.export.ExportedProgram, engine: Engine, slots: 
         got = program.module()(*args, **kwargs)
     ref = engine.forward(x, StepPlan(slots=slots, positions=slots, output_slots=slots), **kwargs).hidden
     return float((got - ref).abs().max())
+
+
+class OnnxStep(nn.Module):
+    """One static step as a functional graph for ONNX (``torch.onnx.export``): the step's rows,
+    slots and positions fixed (constants), the attention inlined as standard ops (the
+    reference implementation; the custom ops would need ONNX functions), every row reading the
+    whole cache under ``allowed & valid``.
+
+        (x [1, n, H], k_cache / v_cache [L, 1, Hkv, S, D], valid [L, S] bool, allowed [S, S] bool)
+        -> (hidden [1, n, H], k_rows [L, 1, Hkv, n, D], v_rows [L, 1, Hkv, n, D])
+
+    The caller writes the rows' K/V into its cache (as :class:`~vla_accel_ros.core.compiled.CompiledEngine`
+    does): a prefix pass returns the prefix K/V a denoising step then takes as inputs."""
+
+    def __init__(self, engine: Engine, slots: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.step = StaticStep(engine.stack, engine.cos, engine.sin, engine.bf16_attention_above, inline=True).eval()
+        self.register_buffer("slots", slots.clone(), persistent=False)
+        self.register_buffer("positions", (slots if positions is None else positions).clone(), persistent=False)
+
+    def forward(self, x, k_cache, v_cache, valid, allowed):
+        return self.step(x, self.slots, self.positions, k_cache, v_cache, valid, allowed, None, "per_row")
+
+
+ONNX_INPUTS = ("x", "k_cache", "v_cache", "valid", "allowed")
+ONNX_OUTPUTS = ("hidden", "k_rows", "v_rows")
+
+
+def export_onnx_step(engine: Engine, slots: torch.Tensor, path: str | Path) -> Path:
+    """``engine``'s static step for ``slots`` as an ONNX file (:class:`OnnxStep`; the example
+    inputs are copies of the engine's cache)."""
+    from vla_accel_ros.core.backends import export_onnx
+
+    if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in engine.stack.model.modules()):
+        raise ConfigError("int8 and hybrid components do not export (their packed weights live in this process); use fp32 or bf16")
+    args = tuple(a.clone() for i, a in enumerate(step_inputs(engine, slots)) if INPUTS[i] in ONNX_INPUTS)
+    return export_onnx(OnnxStep(engine, slots), args, path, input_names=ONNX_INPUTS, output_names=ONNX_OUTPUTS)
+
+
+def check_onnx_step(path: str | Path, engine: Engine, slots: torch.Tensor, seed: int = 0) -> float:
+    """max |graph - engine| of the final hidden states of ``slots`` on the same random rows and
+    cache state, the graph on ONNX Runtime (the engine then writes its own cache)."""
+    from vla_accel_ros.core.backends import require
+    from vla_accel_ros.core.engine import StepPlan
+
+    ort = require("onnxruntime")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, slots.numel(), engine.stack.hidden_size, generator=g).to(engine.dtype)
+    c = engine.cache
+    feeds = dict(zip(ONNX_INPUTS, (x, c.k, c.v, c.valid, c.allowed)))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(["hidden"], {k: v.detach().cpu().numpy() for k, v in feeds.items()})[0]
+    ref = engine.forward(x, StepPlan(slots=slots, positions=slots, output_slots=slots)).hidden
+    return float(np.abs(got - ref.float().numpy()).max())

@@ -30,6 +30,15 @@ K/V in bf16, as its attention reads them):
 
 Every reduced-precision configuration passes the parity gate against the fp32 reference of the
 same bundle (``gate_*`` limits below) or the policy refuses to start.
+
+``backend``: the runtime of the exported graphs (:mod:`vla_accel_ros.core.backends`; today the
+vision tower + connector, per camera): ``torch`` (eager, or compiled with ``compile``),
+``onnxruntime`` or ``openvino``, the graph at ``vision``'s precision. A backend policy is gated
+against the fp32 torch reference like a reduced precision; where the runtime is missing, does
+not run that precision, or the gate refuses it, the same precisions are tried on torch
+(:meth:`PrecisionConfig.candidates`) and the gate report says so. ``graphs``: a directory of
+graphs written by ``vla-accel export --onnx`` (e.g. OpenVINO int8 calibrated on a bag's
+frames) instead of an export at start-up.
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ from vla_accel_ros.core.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "int8", "hybrid")
 COMPONENTS = ("vision", "projector", "lm", "expert", "heads")
+# Runtimes of the exported graphs (core/backends.py; this module stays free of torch).
+BACKENDS = ("torch", "onnxruntime", "openvino")
 
 class FamilyPrecision(Protocol):
     """What a model family (a plug-in of ``vla_accel_ros.models``) tells the precision config.
@@ -59,7 +70,8 @@ class FamilyPrecision(Protocol):
 
 
 # Named presets for the replay / eval mode suffix (``baseline@bf16``): overrides of
-# PrecisionConfig. ``bf16`` / ``int8`` reduce the LM and the action expert only.
+# PrecisionConfig. ``bf16`` / ``int8`` reduce the LM and the action expert only. A backend is
+# its own suffix word (``baseline@auto+openvino``: :data:`BACKENDS`).
 PRESETS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "bf16": {"lm": "bf16", "expert": "bf16"},
@@ -100,6 +112,22 @@ class PrecisionConfig(Config):
         range=(0, 1_000_000),
         read_only=True,
     )
+    backend: str = param(
+        "torch",
+        doc="runtime of the vision tower + connector on the uncached path: torch | onnxruntime | openvino (an ONNX "
+        "graph per camera exported at start-up, at the vision precision: onnxruntime fp32 / int8, openvino fp32 / "
+        "bf16 / int8); gated against fp32 like a reduced precision, torch where the package is missing or the gate "
+        "refuses; with cache.reuse_vision the vision cache runs the tower, on torch",
+        choices=BACKENDS,
+        read_only=True,
+    )
+    graphs: str = param(
+        "",
+        doc="directory of exported graphs the backend loads (`vla-accel export --onnx --out DIR`: vision.onnx, "
+        "vision.int8.onnx for onnxruntime int8, vision.openvino-int8.xml for openvino int8 calibrated on a bag's "
+        "frames with --calibrate); empty: exported at start-up (openvino int8 then calibrates on the gate's frames)",
+        read_only=True,
+    )
     gate_ar_min_identical_tokens: float = param(
         0.99,
         doc="ar, reduced precision: least share of action tokens identical to the fp32 reference on the gate's frames",
@@ -126,7 +154,8 @@ class PrecisionConfig(Config):
 
     def candidates(self, family: FamilyPrecision) -> list["PrecisionConfig"]:
         """The resolved configurations to gate, in order: :meth:`resolve` first, then, for the
-        components set to ``auto``, the family's ``precision_fallbacks`` (without repeats)."""
+        components set to ``auto``, the family's ``precision_fallbacks`` (without repeats); with
+        a backend, all of those on it first, then the same on torch."""
         first = self.resolve(family)
         auto = [c for c in COMPONENTS if getattr(self, c) == "auto"]
         out = [first]
@@ -134,6 +163,8 @@ class PrecisionConfig(Config):
             cand = first.replace(**{c: v for c, v in fallback.items() if c in auto})
             if all(cand.components() != o.components() for o in out):
                 out.append(cand)
+        if self.backend != "torch":
+            out += [c.replace(backend="torch") for c in out]
         return out
 
     def bf16_attention_above(self, component: str) -> int | None:
@@ -148,10 +179,22 @@ class PrecisionConfig(Config):
         """Some component runs below fp32 (``auto`` counts: it resolves to a reduced one)."""
         return any(p != "fp32" for p in self.components().values())
 
-    def label(self) -> str:
-        """Short description, e.g. ``lm=int8,expert=bf16`` (``fp32`` when nothing is reduced)."""
+    @property
+    def gated_against_fp32(self) -> bool:
+        """Something runs other than the fp32 torch modules (a reduced precision, a backend):
+        the gate compares the policy with the fp32 reference of its bundle."""
+        return self.reduced or self.backend != "torch"
+
+    def weights_label(self) -> str:
+        """The torch weights' precisions, e.g. ``lm=int8,expert=bf16`` (``fp32`` when nothing is
+        reduced): policies with the same label share one converted copy of the weights."""
         reduced = [f"{c}={p}" for c, p in self.components().items() if p != "fp32"]
         return ",".join(reduced) or "fp32"
+
+    def label(self) -> str:
+        """Short description: :meth:`weights_label`, and the backend when it is not torch
+        (``vision=int8,lm=bf16 +openvino``)."""
+        return self.weights_label() + ("" if self.backend == "torch" else f" +{self.backend}")
 
 
 def preset(name: str) -> dict[str, Any]:

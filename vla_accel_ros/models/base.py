@@ -119,7 +119,7 @@ _INSTANCES = itertools.count()
 # PolicyConfig fields fixed when the policy is built: the parity gate ran, torch's thread count
 # is process-wide, the noise generator was seeded, the weights were converted and the engines
 # built for a precision and compile switch.
-_FIXED = ("parity_check", "num_threads", "seed", *(f"precision.{c}" for c in (*COMPONENTS, "compile")))
+_FIXED = ("parity_check", "num_threads", "seed", *(f"precision.{c}" for c in (*COMPONENTS, "compile", "backend")))
 # Fields that do not change how the prefix is planned: changing them keeps the planner's caches.
 _NOT_PLANNER = {"flow_steps", "parity_tolerance", "precision", "memo", "action_draft", *_FIXED}
 MOTION_MODES = tuple(MODE_NAMES.values())
@@ -144,6 +144,11 @@ class PolicyBase:
         self._static: dict[tuple[int, ...], torch.Tensor] = {}
         self._chunk_id = 0
         self._vision_cache: VisionCache | None = None  # built by the first plan that reuses vision features
+        # The vision tower + connector as an exported graph on a backend (models/graphs.py; set
+        # by the policy builder when ``precision.backend`` is not torch): the uncached path.
+        self.vision_graph = None
+        # What the builder says about this policy's precision (a backend it could not use, ...).
+        self.precision_notes: list[str] = []
         self.motion_mode = MOTION_MODES[0]
         # Names this policy's KV cache in every PrefixContext (a counter, never reused like id()).
         self.source = f"{spec.name}#{next(_INSTANCES)}"
@@ -309,7 +314,8 @@ class PolicyBase:
         ``fresh`` (a plan's ``vision_fresh``, [C, T] bool): only those patches go through the
         tower, the others take the embeddings ``vision`` holds (default: the policy's own vision
         cache; another KV cache with its own planner, a pipeline's, brings its own); None: every
-        patch of ``cams``, the stock tower's forward."""
+        patch of ``cams``, the stock tower's forward (or its exported graph on a backend,
+        ``vision_graph``)."""
         key = tuple(ids)  # the rows depend on the token ids alone (a prompt may carry the state)
         static = self._static.get(key)
         if static is None:
@@ -320,7 +326,7 @@ class PolicyBase:
         full = static.clone()
         if cams:
             if fresh is None:
-                img = self.model.vis(pixels[cams])  # [c, G*G, H]
+                img = (self.vision_graph or self.model.vis)(pixels[cams])  # [c, G*G, H]
             else:
                 if vision is None:
                     if self._vision_cache is None:

@@ -176,17 +176,21 @@ def build_policy(
     planner=None,
     where: str = "",
     bundle_path: str = "",
-    converted: dict[str, nn.Module] | None = None,
+    converted: dict | None = None,
     gate_observations: tuple[Observation, Observation] | None = None,
 ):
     """A policy around already-built fp32 modules (several policies may share one model's
     weights, each with its own KV cache and planner), gated like :func:`load_policy`.
 
     ``config.precision`` below fp32 runs on a converted copy of ``model`` (``converted``, a
-    dict the caller keeps, shares one copy per precision between policies); the gate then
-    compares it with the fp32 transformers path of ``model`` on ``gate_observations`` (two
-    frames; default: the gate's synthetic frames). Components set to ``auto`` fall back as
-    :meth:`PrecisionConfig.candidates` lists while the gate refuses (its report notes which)."""
+    dict the caller keeps, shares one copy per precision between policies, and one exported
+    graph per backend and precision); the gate then compares it with the fp32 transformers
+    path of ``model`` on ``gate_observations`` (two frames; default: the gate's synthetic
+    frames). Components set to ``auto`` fall back as :meth:`PrecisionConfig.candidates` lists
+    while the gate refuses (its report notes which); a backend that is not installed or does
+    not run the precision is passed over the same way, without a gate run
+    (``policy.precision_notes`` says why, with or without the gate)."""
+    from vla_accel_ros.core.backends import BackendUnavailable
     from vla_accel_ros.core.parity import fp32_reference, run_parity
     from vla_accel_ros.models.precision import convert_model
 
@@ -194,35 +198,77 @@ def build_policy(
     family = spec_family(spec, where)
     candidates = config.precision.candidates(family)
     fp32_ref = None
-    refused: list[str] = []
+    refused: list[str] = []  # by the gate
+    passed_over: list[str] = []  # backends that could not run
+    converted = {} if converted is None else converted
     for precision in candidates:
         run_model = model
         if precision.reduced:
-            key = precision.label()
-            run_model = converted.get(key) if converted is not None else None
+            key = precision.weights_label()
+            run_model = converted.get(key)
             if run_model is None:
-                run_model = convert_model(model, family, precision)
-                if converted is not None:
-                    converted[key] = run_model
+                run_model = converted[key] = convert_model(model, family, precision)
         policy = family.make_policy(
             spec, run_model, config, planner or make_planner(config), bundle_path=bundle_path, precision=precision
         )
+        if precision.backend != "torch" and config.uses_cache and config.cache.reuse_vision:
+            passed_over.append(f"{precision.label()}: cache.reuse_vision runs the vision tower in the vision cache "
+                               "(partial passes over per-layer K/V), on torch")  # fmt: skip
+            continue
+        if precision.backend != "torch":
+            try:
+                policy.vision_graph = _vision_graph(policy, model, precision, converted, gate_observations)
+            except BackendUnavailable as e:
+                passed_over.append(f"{precision.label()}: {e}")
+                continue
+        notes = [f"{p}; running {precision.label()} instead" for p in passed_over]
+        policy.precision_notes = notes
         if not config.parity_check:
             return policy
-        if precision.reduced:
+        if precision.gated_against_fp32:
             if fp32_ref is None:
-                fp32 = family.make_policy(spec, model, PolicyConfig(parity_check=False), None, bundle_path=bundle_path)
-                fp32_ref = fp32_reference(fp32, observations=gate_observations)
+                # One fp32 reference per gate frames for the policies sharing ``converted``
+                # (a replay's modes): at full size it is two fp32 reference inferences each.
+                kept = converted.get("fp32_reference")
+                if kept is not None and kept[0] is gate_observations:
+                    fp32_ref = kept[1]
+                else:
+                    fp32 = family.make_policy(spec, model, PolicyConfig(parity_check=False), None, bundle_path=bundle_path)
+                    fp32_ref = fp32_reference(fp32, observations=gate_observations)
+                    converted["fp32_reference"] = (gate_observations, fp32_ref)
             policy.fp32_reference = fp32_ref
         report = run_parity(policy, tolerance=config.parity_tolerance, observations=gate_observations)
         if report.passed:
             if refused:
-                report.notes.append(f"precision auto: the gate refused {'; '.join(refused)}, running {precision.label()}")
+                report.notes.append(f"precision {config.precision.label()}: the gate refused {'; '.join(refused)}, running {precision.label()}")
+                policy.precision_notes.append(report.notes[-1])
+            report.notes += notes
             policy.parity_report = report
             return policy
         refused.append(precision.label())
     tried = f" (precision auto tried {'; '.join(refused)})" if len(refused) > 1 else ""
     raise ParityError(f"{where or spec.name}: parity gate failed{tried}, the policy refuses to start:\n{report.table()}")
+
+
+def _vision_graph(policy, model: nn.Module, precision, converted: dict, gate_observations):
+    """The policy's vision tower + connector on ``precision.backend`` (one per backend and vision
+    precision in ``converted``): read from ``precision.graphs``, else exported now (OpenVINO
+    int8 calibrated on the gate's frames)."""
+    from vla_accel_ros.core.backends import graph_file, load_runner
+    from vla_accel_ros.core.parity import gate_frames
+    from vla_accel_ros.models.graphs import VISION, vision_example, vision_runner
+
+    key = f"graph:{VISION}:{precision.backend}:{precision.vision}:{precision.graphs}"
+    if key not in converted:
+        threads = torch.get_num_threads()
+        if precision.graphs:
+            path = Path(precision.graphs) / graph_file(VISION, precision.backend, precision.vision)
+            converted[key] = load_runner(path, precision.backend, precision.vision, threads=threads,
+                                         shape=vision_example(policy.spec).shape)  # fmt: skip
+        else:
+            calibration = [policy.frames(o).pixels for o in gate_frames(policy.spec, observations=gate_observations)]
+            converted[key] = vision_runner(model, policy.spec, precision, threads=threads, calibration=calibration)
+    return converted[key]
 
 
 def sibling_policy(policy, config: PolicyConfig, **kwargs):

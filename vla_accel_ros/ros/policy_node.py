@@ -221,9 +221,11 @@ class PolicyNode(Node):
         self.ready = True
         self._ready_pub.publish(Bool(data=True))
         s = policy.spec
+        for note in policy.precision_notes:  # a backend or precision it could not run, and what runs instead
+            self.get_logger().warning(note)
         self.get_logger().info(
             f"ready: {s.name} ({s.family}, chunk {s.chunk_size} x {s.action_dim}, cameras {', '.join(s.cameras)}) "
-            f"in {time.perf_counter() - t0:.1f} s; trigger {cfg.trigger}"
+            f"in {time.perf_counter() - t0:.1f} s; precision {policy.precision.label()}; trigger {cfg.trigger}"
         )
 
     # -- diagnostics --------------------------------------------------------------------------

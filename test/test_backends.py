@@ -1,0 +1,240 @@
+"""Exported graphs on ONNX Runtime and OpenVINO: the ONNX export of the vision tower + connector
+against the eager modules, and the ``precision.backend`` policies through the gate (tiny
+bundles; skipped with a reason where a runtime is not installed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.parity import changed_observation, fixed_observation
+from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.precision import PrecisionConfig
+from vla_accel_ros.models.factory import create_demo_bundle, load_policy, sibling_policy
+
+onnx = pytest.importorskip("onnx", reason="onnx is not installed (requirements.txt)")
+pytest.importorskip("onnxscript", reason="onnxscript (torch.onnx's exporter) is not installed (requirements.txt)")
+
+RUNTIMES = [
+    pytest.param(b, marks=pytest.mark.skipif(not _has, reason=f"{b} is not installed (requirements.txt)"))
+    for b, _has in (("onnxruntime", __import__("importlib").util.find_spec("onnxruntime") is not None),
+                    ("openvino", __import__("importlib").util.find_spec("openvino") is not None))
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def smolvla(tmp_path_factory):
+    """A tiny two-camera SmolVLA, its fp32 policy, the gate's frame and noise."""
+    path = create_demo_bundle("smolvla", "tiny", tmp_path_factory.mktemp("b") / "smolvla", cameras=("cam_high", "cam_left"))
+    base = load_policy(path, PolicyConfig(parity_check=False))
+    obs = fixed_observation(base.spec)
+    noise = np.random.default_rng(0).standard_normal(base.noise_shape).astype(np.float32)
+    return base, obs, noise, {}
+
+
+def _actions(policy, obs, noise):
+    policy.reset()
+    return policy.infer(obs, noise=noise).actions
+
+
+def test_the_vision_graph_is_standard_onnx_at_fixed_shapes(smolvla, tmp_path):
+    """Opset 18, standard ops only (no custom domain, no function left for a runtime to
+    resolve), one camera's pixels in and its token embeddings out, at the bundle's shapes."""
+    from vla_accel_ros.core.backends import OPSET, export_onnx
+    from vla_accel_ros.models.graphs import vision_example
+
+    base = smolvla[0]
+    path = export_onnx(base.model.vis, (vision_example(base.spec),), tmp_path / "vision.onnx",
+                       input_names=("pixels",), output_names=("embeddings",))  # fmt: skip
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    assert {o.domain for o in model.opset_import} <= {"", "ai.onnx"} and model.opset_import[0].version == OPSET
+    assert {n.domain for n in model.graph.node} <= {""} and not model.functions
+    dims = lambda v: [d.dim_value for d in v.type.tensor_type.shape.dim]  # noqa: E731
+    s, t = base.spec.image_size, base.spec.grid**2
+    assert dims(model.graph.input[0]) == [1, 3, s, s]
+    assert dims(model.graph.output[0]) == [1, t, base.model.vlm.config.hidden_size]
+
+
+@pytest.mark.parametrize("backend", RUNTIMES)
+def test_fp32_graph_matches_the_eager_modules_and_the_policy(smolvla, backend):
+    """fp32 on either runtime: the image-token embeddings within 1e-4 of the eager tower on the
+    bundle's own frames, and a whole chunk within 1e-4 of the action std; the gate passed."""
+    from vla_accel_ros.models.graphs import check_vision_runner
+
+    base, obs, noise, converted = smolvla
+    policy = sibling_policy(base, PolicyConfig.from_dict({"precision": {"backend": backend}}), converted=converted)
+    assert policy.vision_graph is not None and policy.precision.label() == f"fp32 +{backend}"
+    pixels = torch.cat([base.frames(o).pixels for o in (obs, changed_observation(obs, base.spec))])
+    assert check_vision_runner(policy.vision_graph, base.model, pixels) < 1e-4
+    std = base.action_scale()[1]
+    assert np.abs((_actions(policy, obs, noise) - _actions(base, obs, noise)) / std).max() < 1e-4
+    assert policy.parity_report.passed and policy.parity_report.metrics["actions_max_over_std"] < 1e-4
+
+
+def test_the_token_cache_runs_on_the_graph_and_the_vision_cache_stays_on_torch(smolvla):
+    """Token cache without vision reuse: every camera with a recomputed token goes through the
+    graph (all its patches), and the decoder reuses K/V as on torch (same actions). With
+    ``cache.reuse_vision`` the vision cache runs the tower itself (partial passes, per-layer
+    K/V): the policy runs it on torch and says so."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    base, obs, noise, converted = smolvla
+    # Relevance eviction off: on random weights attention is flat and it would evict every token.
+    cfg = {"accel": "cache", "cache": {"relevance_mode": "off"}, "precision": {"backend": "onnxruntime"}}
+    policy = sibling_policy(base, PolicyConfig.from_dict(cfg), converted=converted)
+    calls = []
+    graph = policy.vision_graph
+    policy.vision_graph = lambda pixels: calls.append(pixels.shape[0]) or graph(pixels)
+    second = changed_observation(obs, base.spec)
+    policy.reset()
+    policy.infer(obs, noise=noise)
+    got = policy.infer(second, noise=noise)
+    assert calls == [2, 2]  # both cameras, both frames (each camera has a changed block)
+    assert got.stats["reused_tokens"] > 0
+    torch_cache = sibling_policy(base, PolicyConfig.from_dict({**cfg, "precision": {}}), converted=converted)
+    torch_cache.reset()
+    torch_cache.infer(obs, noise=noise)
+    np.testing.assert_allclose(got.actions, torch_cache.infer(second, noise=noise).actions, atol=1e-4)
+    reuse = {**cfg, "cache": {"relevance_mode": "off", "reuse_vision": True}}
+    policy = sibling_policy(base, PolicyConfig.from_dict(reuse), converted=converted)
+    assert policy.vision_graph is None and policy.precision.backend == "torch"
+    assert any("reuse_vision" in n for n in policy.precision_notes)
+
+
+@pytest.mark.parametrize("backend", RUNTIMES)
+def test_int8_graphs_pass_the_gate(smolvla, backend):
+    """int8 vision on either runtime (ONNX Runtime's dynamic quantization; OpenVINO through
+    NNCF, calibrated on the gate's frames): the gate measured it against fp32 and let it run."""
+    if backend == "openvino":
+        pytest.importorskip("nncf", reason="nncf (OpenVINO int8) is not installed (requirements.txt)")
+    base, obs, noise, converted = smolvla
+    policy = sibling_policy(base, PolicyConfig.from_dict({"precision": {"backend": backend, "vision": "int8"}}),
+                            converted=converted)  # fmt: skip
+    assert policy.vision_graph is not None and policy.vision_graph.precision == "int8"
+    report = policy.parity_report
+    assert report.passed and 0 < report.metrics["actions_max_over_std"] <= PrecisionConfig().gate_flow_max_over_std
+
+
+def test_a_precision_the_runtime_does_not_run_falls_back_to_torch_and_says_so(smolvla):
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    base, obs, noise, converted = smolvla
+    policy = sibling_policy(base, PolicyConfig.from_dict({"precision": {"backend": "onnxruntime", "vision": "bf16"}}),
+                            converted=converted)  # fmt: skip
+    assert policy.vision_graph is None and policy.precision.label() == "vision=bf16"
+    assert any("onnxruntime runs fp32, int8" in n and "running vision=bf16 instead" in n for n in policy.parity_report.notes)
+    assert policy.precision_notes
+
+
+def test_a_missing_runtime_is_a_clear_error_and_the_policy_falls_back(smolvla, monkeypatch):
+    """A runtime that does not import: the error names the package to install; the policy runs
+    the vision tower on torch, with or without the gate, and its notes say why."""
+    from vla_accel_ros.core.backends import BackendUnavailable, check_backend
+
+    base, obs, noise, converted = smolvla
+    monkeypatch.setitem(sys.modules, "openvino", None)  # import openvino -> ImportError
+    with pytest.raises(BackendUnavailable, match=r"openvino==.*requirements.txt"):
+        check_backend("openvino", "fp32")
+    for gate in (True, False):
+        cfg = PolicyConfig.from_dict({"parity_check": gate, "precision": {"backend": "openvino"}})
+        policy = sibling_policy(base, cfg, converted={})
+        assert policy.vision_graph is None and policy.precision.backend == "torch"
+        assert any("'openvino' is not installed" in n for n in policy.precision_notes)
+    np.testing.assert_array_equal(_actions(policy, obs, noise), _actions(base, obs, noise))
+
+
+def test_backend_config_and_mode_suffixes():
+    from vla_accel_ros.bench.replay import mode_of, parse_modes
+    from vla_accel_ros.models.family import get_family
+
+    fam = get_family("smolvla")
+    cands = PrecisionConfig(vision="auto", backend="openvino").candidates(fam)
+    assert [c.backend for c in cands[:2]] == ["openvino", "openvino"] and cands[-1].backend == "torch"
+    assert len(cands) % 2 == 0 and cands[: len(cands) // 2] == [c.replace(backend="openvino") for c in cands[len(cands) // 2 :]]
+    assert PrecisionConfig(backend="onnxruntime").gated_against_fp32 and not PrecisionConfig().gated_against_fp32
+    with pytest.raises(ConfigError, match="'torch', 'onnxruntime', 'openvino'"):
+        PrecisionConfig(backend="tensorrt")
+    p = mode_of("cache@auto+openvino+compile").policy["precision"]
+    assert p["backend"] == "openvino" and p["compile"] and p["vision"] == "auto"
+    assert mode_of("baseline@onnxruntime").policy["precision"] == {"backend": "onnxruntime", "compile": False}
+    assert "backend" not in mode_of("baseline@bf16+compile").policy["precision"]  # torch: the default
+    for bad in ("baseline@onnxruntime+openvino", "baseline@auto+bf16+openvino", "transformers@openvino", "baseline@+openvino"):
+        with pytest.raises(ConfigError):
+            parse_modes(bad)
+
+
+PI0_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "pi0-lerobot"
+
+
+@pytest.mark.parametrize("family", ["flow", "ar", "pi0"])
+def test_other_families_export_their_vision_too(tiny_bundles, family, tmp_path):
+    """The graph is ``model.vis``, whatever the family: the SigLIP tower + projector of the
+    package's own bundles and of pi0 (the LeRobot fixture) export and match as well."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    from vla_accel_ros.models.graphs import check_vision_runner, vision_runner
+
+    if family == "pi0":
+        if not PI0_FIXTURE.is_dir():
+            pytest.skip(f"{PI0_FIXTURE} is missing (../shared beside the checkout)")
+        from vla_accel_ros.models.pi0.lerobot_import import import_lerobot
+
+        path = import_lerobot(PI0_FIXTURE / "policy", tmp_path / "pi0", tokenizer=PI0_FIXTURE / "tokenizer", vision_heads=4)
+    else:
+        path = tiny_bundles[family]
+    policy = load_policy(path, PolicyConfig(parity_check=False))
+    runner = vision_runner(policy.model, policy.spec, PrecisionConfig(backend="onnxruntime"), threads=1)
+    pixels = policy.frames(fixed_observation(policy.spec)).pixels
+    assert check_vision_runner(runner, policy.model, pixels) < 1e-4
+
+
+def test_export_onnx_writes_checked_graphs_that_a_policy_loads(smolvla, tmp_path):
+    """``vla-accel export --onnx``: the fp32 graph and ONNX Runtime's int8 written and checked
+    against the eager tower (exit 0 within tolerance); a policy with ``precision.graphs`` loads
+    them instead of exporting, and falls back to torch, with a note, where a graph is missing."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    import json
+
+    from vla_accel_ros.cli import main
+
+    base, obs, noise, _ = smolvla
+    out = tmp_path / "graphs"
+    assert main(["export", "--bundle", base.bundle_path, "--out", str(out), "--onnx", "--tolerance", "1e-4"]) == 0
+    meta = json.loads((out / "export.json").read_text())
+    assert meta["graphs"]["onnxruntime/fp32"]["max_abs_vs_eager"] < 1e-4 and (out / "vision.int8.onnx").is_file()
+    assert meta["input"]["shape"] == [1, 3, base.spec.image_size, base.spec.image_size]
+    assert main(["export", "--bundle", base.bundle_path, "--out", str(out), "--onnx"]) == 2  # never overwritten
+    cfg = PolicyConfig.from_dict({"precision": {"backend": "onnxruntime", "vision": "int8", "graphs": str(out)}})
+    policy = sibling_policy(base, cfg, converted={})
+    assert policy.vision_graph is not None and policy.parity_report.passed
+    (out / "vision.onnx").rename(out / "kept.onnx")
+    policy = sibling_policy(base, cfg.replace(precision=cfg.precision.replace(vision="fp32")), converted={})
+    assert policy.vision_graph is None and any("vision.onnx does not exist" in n for n in policy.precision_notes)
+
+
+@pytest.mark.slow
+def test_export_onnx_steps_match_the_engine(smolvla, tmp_path):
+    """``--onnx --steps``: the prefix pass as a functional ONNX graph (standard ops, the prefix
+    K/V among its outputs) matches the engine's hidden states on ONNX Runtime."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    import json
+
+    from vla_accel_ros.cli import main
+
+    base = smolvla[0]
+    out = tmp_path / "graphs"
+    assert main(["export", "--bundle", base.bundle_path, "--out", str(out), "--onnx", "--steps", "--tolerance", "1e-4"]) == 0
+    step = json.loads((out / "export.json").read_text())["graphs"]["step/prefill"]
+    assert step["max_abs_vs_engine"] < 1e-4 and (out / "prefill.onnx").is_file()
+
+
+def test_parity_cli_gates_a_backend(smolvla, capsys):
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    from vla_accel_ros.cli import main
+
+    assert main(["parity", "--bundle", smolvla[0].bundle_path, "--backend", "onnxruntime"]) == 0
+    out = capsys.readouterr().out
+    assert "vision on onnxruntime" in out and "fp32 +onnxruntime: against the fp32 reference" in out and "PASS" in out
