@@ -148,7 +148,7 @@ def test_a_missing_runtime_is_a_clear_error_and_the_policy_falls_back(smolvla, m
 
 
 def test_backend_config_and_mode_suffixes():
-    from vla_accel_ros.bench.replay import mode_of, parse_modes
+    from vla_accel_ros.bench.modes import mode_of, parse_modes
     from vla_accel_ros.models.family import get_family
 
     fam = get_family("smolvla")

@@ -1,13 +1,13 @@
-"""``vla-accel bench lerobot``: LeRobot's own SmolVLA or pi0 and ours, side by side on a bag's frames.
+"""``vla-accel bench lerobot``: LeRobot's own SmolVLA, pi0 or pi0.5 and ours, side by side on a bag's frames.
 
 LeRobot runs in its own Python (``--python``: the environment that has LeRobot; it pins torch
 and transformers versions this package does not use) as :mod:`vla_accel_ros.bench.lerobot_worker`.
 Both get the same frames (the bag through the policy node's observation rule, frames at their
 recorded size), the same task text, the same noise per frame, the same torch thread count and
 the same weights (the checkpoint, imported here into a bundle of the family its config.json
-``type`` names: ``smolvla`` or ``pi0``). Calls are
+``type`` names: ``smolvla``, ``pi0`` or ``pi05``). Calls are
 interleaved frame by frame, the first runner rotating; with ``sequential`` (for models that do
-not fit in memory twice: a full-size pi0) ours run on every frame first and LeRobot, once our
+not fit in memory twice: a full-size pi0 or pi0.5) ours run on every frame first and LeRobot, once our
 weights are freed, on the same frames after. Each side's latency is its own wall time
 of one chunk with every overhead of the library (LeRobot: its preprocessor,
 ``predict_action_chunk``, its postprocessor; ours: ``infer``), without the exchange between the
@@ -51,7 +51,7 @@ class LeRobotBenchConfig:
     bag: Path
     report: Path
     vlm: Path | None = None  # smolvla: the SmolVLM directory
-    tokenizer: Path | None = None  # pi0: PaliGemma's tokenizer directory (both sides load it)
+    tokenizer: Path | None = None  # pi0 / pi05: PaliGemma's tokenizer directory (both sides load it)
     modes: tuple[str, ...] = ("baseline",)
     threads: int = 2
     max_frames: int = 10
@@ -71,11 +71,11 @@ class LeRobotBenchConfig:
         if not (self.lerobot / "config.json").is_file():
             raise ConfigError(f"--lerobot {self.lerobot}: no config.json (LeRobot's saved policy directory)")
         kind = self.policy_type()
-        if kind not in ("smolvla", "pi0"):
-            raise ConfigError(f"--lerobot {self.lerobot}: LeRobot policy type {kind!r}; bench lerobot runs smolvla and pi0")
-        if kind == "pi0" and self.tokenizer is None and self.bundle is None:
-            raise ConfigError("--tokenizer is required for a pi0 checkpoint: the PaliGemma tokenizer directory "
-                              "(LeRobot's pi0 loads it by hub name, which is offline here)")  # fmt: skip
+        if kind not in ("smolvla", "pi0", "pi05"):
+            raise ConfigError(f"--lerobot {self.lerobot}: LeRobot policy type {kind!r}; bench lerobot runs smolvla, pi0 and pi05")
+        if kind in ("pi0", "pi05") and self.tokenizer is None and self.bundle is None:
+            raise ConfigError(f"--tokenizer is required for a {kind} checkpoint: the PaliGemma tokenizer directory "
+                              f"(LeRobot's {kind} loads it by hub name, which is offline here)")  # fmt: skip
         if self.tokenizer is not None and not self.tokenizer.is_dir():
             raise ConfigError(f"--tokenizer {self.tokenizer}: not a directory")
         if not self.python.is_file():
@@ -184,7 +184,9 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
     bundle_path = cfg.bundle or cfg.report / "bundle"
     t0 = time.perf_counter()
     if cfg.bundle is None:
-        get_family(cfg.policy_type()).import_lerobot(cfg.lerobot, bundle_path, vlm=cfg.vlm, tokenizer=cfg.tokenizer)
+        # only the options given: a family refuses one it does not take
+        given = {k: v for k, v in (("vlm", cfg.vlm), ("tokenizer", cfg.tokenizer)) if v is not None}
+        get_family(cfg.policy_type()).import_lerobot(cfg.lerobot, bundle_path, **given)
     import_s = time.perf_counter() - t0
     torch.set_num_threads(cfg.threads)
     bundle = load_bundle(bundle_path)

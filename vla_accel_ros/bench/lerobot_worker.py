@@ -1,4 +1,4 @@
-"""LeRobot's own SmolVLA or pi0 as a worker process, for ``vla-accel bench lerobot``.
+"""LeRobot's own SmolVLA, pi0 or pi0.5 as a worker process, for ``vla-accel bench lerobot``.
 
 Runs in the Python whose environment has LeRobot (its side venv: LeRobot pins torch and
 transformers versions this package does not use), so it imports nothing of this package: only
@@ -12,8 +12,9 @@ holds the observation (``observation.images.<camera>`` [3, h, w] float in [0, 1]
 ``observation.state`` [S]) and ``noise`` [1, H, A]. It runs exactly what a LeRobot user runs,
 writes the actions to ``DIR/NAME.out.safetensors`` and answers ``{"ms": total, "stages_ms": {...}}``:
 
-- smolvla (LeRobot 0.4): the policy with its pre- and post-processor pipelines (preprocessor,
-  ``predict_action_chunk`` with that noise, postprocessor);
+- smolvla and pi05 (LeRobot 0.4): the policy with its pre- and post-processor pipelines
+  (preprocessor, ``predict_action_chunk`` with that noise, postprocessor); pi05's tokenizer
+  step loads PaliGemma's by hub name, answered from ``--tokenizer`` as for pi0 (below);
 - pi0 (LeRobot 0.3.3, whose pi0 has no ``predict_action_chunk``): ``select_action`` with that
   noise computes the chunk (normalization inside the policy) and queues it; the chunk is that
   action and the queue drained, as a user's next calls would; the time is the first call's. LeRobot as shipped: its own bf16
@@ -75,7 +76,7 @@ def main() -> int:
     # Answers go to the real stdout; whatever LeRobot prints (it prints progress) to stderr.
     answers, sys.stdout = sys.stdout, sys.stderr
     kind = json.loads((Path(args.policy) / "config.json").read_text()).get("type")
-    if kind == "pi0" and args.tokenizer:
+    if kind in ("pi0", "pi05") and args.tokenizer:
         _offline_hub_cache(PALIGEMMA_TOKENIZER, Path(args.tokenizer))  # before transformers is imported
 
     import torch
@@ -84,7 +85,7 @@ def main() -> int:
     from safetensors.torch import load_file, save_file
 
     torch.set_num_threads(args.threads)
-    loaders = {"smolvla": _smolvla, "pi0": _pi0}
+    loaders = {"smolvla": _smolvla, "pi0": _pi0, "pi05": _pi05}
     if kind not in loaders:
         raise SystemExit(f"{args.policy}/config.json: type {kind!r}; this worker runs {', '.join(loaders)}")
     clock, marks = _StageClock(), {}
@@ -127,40 +128,30 @@ def _mark(marks: dict[str, float], name: str, first: bool = False):
     return hook
 
 
-def _smolvla(args, clock: _StageClock, marks: dict[str, float]):
-    from lerobot.configs.policies import PreTrainedConfig
-    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
+def _processors(policy_dir: str, overrides: dict | None = None):
+    """The pre- and post-processor pipelines as LeRobot's own factory loads them
+    (lerobot.policies.factory imports every policy and env, which the side venv does not all
+    have): the batch in and out, the action in and out."""
     from lerobot.processor import PolicyProcessorPipeline
     from lerobot.processor import converters as conv
 
-    cfg = PreTrainedConfig.from_pretrained(args.policy)
-    overrides = {}
-    if args.vlm:
-        cfg.vlm_model_name = args.vlm
-        overrides = {"tokenizer_processor": {"tokenizer_name": args.vlm}}
-    policy = SmolVLAPolicy.from_pretrained(args.policy, config=cfg).eval()
-    # As LeRobot's own factory loads them (lerobot.policies.factory imports every policy and env,
-    # which the side venv does not all have): the batch in and out, the action in and out.
     pre = PolicyProcessorPipeline.from_pretrained(
-        args.policy, "policy_preprocessor.json", overrides=overrides, to_transition=conv.batch_to_transition,
+        policy_dir, "policy_preprocessor.json", overrides=overrides or {}, to_transition=conv.batch_to_transition,
         to_output=conv.transition_to_batch,
     )
     post = PolicyProcessorPipeline.from_pretrained(
-        args.policy, "policy_postprocessor.json", to_transition=conv.policy_action_to_transition,
+        policy_dir, "policy_postprocessor.json", to_transition=conv.policy_action_to_transition,
         to_output=conv.transition_to_policy_action,
     )
-    vm = policy.model.vlm_with_expert.get_vlm_model()
-    clock.hook(vm.vision_model, "vision")
-    clock.hook(vm.connector, "vision")
-    # LeRobot calls its VLM-with-expert's forward directly (no module hooks fire there): the
-    # prefix pass is what runs between the last camera's connector and the first action
-    # embedding, the denoising what runs from there to the end of predict_action_chunk.
-    vm.connector.register_forward_hook(_mark(marks, "vision_end"))
-    policy.model.action_in_proj.register_forward_pre_hook(_mark(marks, "denoise_start", first=True))
+    return pre, post
+
+
+def _chunk_runner(policy, pre, post, marks: dict[str, float]):
+    """What a LeRobot 0.4 user runs for one chunk, timed by stage."""
 
     def run(tensors, noise, task):
         policy.reset()
-        t0 = time.perf_counter()  # what a LeRobot user runs, as they run it (its own no_grad inside)
+        t0 = time.perf_counter()  # as they run it (its own no_grad inside)
         batch = pre({**tensors, "task": task})
         t1 = time.perf_counter()
         actions = policy.predict_action_chunk(batch, noise=noise)
@@ -170,7 +161,43 @@ def _smolvla(args, clock: _StageClock, marks: dict[str, float]):
         return actions[0], {"preprocess": (t1 - t0) * 1e3, "denoise": (t2 - marks["denoise_start"]) * 1e3,
                             "postprocess": (t3 - t2) * 1e3}  # fmt: skip
 
-    return policy, run, "preprocessor, predict_action_chunk, postprocessor"
+    return run
+
+
+def _smolvla(args, clock: _StageClock, marks: dict[str, float]):
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
+
+    cfg = PreTrainedConfig.from_pretrained(args.policy)
+    overrides = {}
+    if args.vlm:
+        cfg.vlm_model_name = args.vlm
+        overrides = {"tokenizer_processor": {"tokenizer_name": args.vlm}}
+    policy = SmolVLAPolicy.from_pretrained(args.policy, config=cfg).eval()
+    pre, post = _processors(args.policy, overrides)
+    vm = policy.model.vlm_with_expert.get_vlm_model()
+    clock.hook(vm.vision_model, "vision")
+    clock.hook(vm.connector, "vision")
+    # LeRobot calls its VLM-with-expert's forward directly (no module hooks fire there): the
+    # prefix pass is what runs between the last camera's connector and the first action
+    # embedding, the denoising what runs from there to the end of predict_action_chunk.
+    vm.connector.register_forward_hook(_mark(marks, "vision_end"))
+    policy.model.action_in_proj.register_forward_pre_hook(_mark(marks, "denoise_start", first=True))
+    return policy, _chunk_runner(policy, pre, post, marks), "preprocessor, predict_action_chunk, postprocessor"
+
+
+def _pi05(args, clock: _StageClock, marks: dict[str, float]):
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+
+    policy = PI05Policy.from_pretrained(args.policy).eval()
+    pre, post = _processors(args.policy)
+    pg = policy.model.paligemma_with_expert.paligemma
+    clock.hook(pg.vision_tower, "vision")
+    clock.hook(pg.multi_modal_projector, "vision")
+    pg.multi_modal_projector.register_forward_hook(_mark(marks, "vision_end"))
+    # embed_suffix projects the noisy actions first thing in every denoising step
+    policy.model.action_in_proj.register_forward_pre_hook(_mark(marks, "denoise_start", first=True))
+    return policy, _chunk_runner(policy, pre, post, marks), "preprocessor, predict_action_chunk, postprocessor"
 
 
 # The name LeRobot 0.3.3's PI0Policy loads (models/pi0/lerobot_import.TOKENIZER_ID; this worker

@@ -11,8 +11,7 @@ from vla_accel_ros.cli import command
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = command(
-        sub, "export", "export the engine's static-shape steps (with the vla_accel custom ops), or with --onnx the vision "
-        "tower as ONNX graphs, for TensorRT, ONNX Runtime, OpenVINO",
+        sub, "export", "export the static-shape steps (torch.export) or, with --onnx, the vision tower as ONNX graphs",
         "vla-accel export --bundle bundles/transfer_cube-flow --out steps --precision bf16\n"
         "  vla-accel export --bundle B --out graphs --onnx --calibrate BAG   # then policy.precision.graphs: graphs",
         details="Writes <step>.pt2 (torch.export archives: JSON graph, raw weights) and export.json into --out; "
