@@ -173,7 +173,7 @@ def _smolvla(args, clock: _StageClock, marks: dict[str, float]):
     return policy, run, "preprocessor, predict_action_chunk, postprocessor"
 
 
-# The name LeRobot 0.3.3's PI0Policy loads (models/pi0/lerobot_import.TOKENIZER_ID; this worker
+# The name LeRobot 0.3.3's PI0Policy loads (models/lerobot/paligemma.TOKENIZER_ID; this worker
 # imports nothing of the package).
 PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"
 

@@ -166,28 +166,6 @@ def check_lerobot_io(spec, opts: LeRobotOptions) -> None:
         raise ConfigError("options.adapt_to_pi_aloha maps ALOHA's 14 joints: state_dim and action_dim must be 14")
 
 
-def write_imported(out, spec, weights: dict, tokenizer, source: dict):
-    """An imported bundle written beside ``out`` and renamed into place (no half bundle): its
-    weights, the tokenizer's files (saved by transformers) and ``source.json``."""
-    import json
-    import os
-
-    from vla_accel_ros.core.bundle import TOKENIZER_DIR, save_bundle
-    from vla_accel_ros.core.errors import BundleError
-
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        raise BundleError(f"{tmp} exists (an interrupted import?): remove it first")
-    save_bundle(tmp, spec, weights)
-    tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
-    (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n")
-    os.replace(tmp, out)
-    return out
-
-
-SOURCE_FILE = "source.json"  # an imported bundle's origin: the checkpoint, its config, its camera names
-
-
 class LeRobotPolicy(FlowPolicy):
     """A flow-matching policy with LeRobot's inputs and outputs: its frames (resized with
     padding), the task text as its preprocessor passes it, the state normalized, mapped and
