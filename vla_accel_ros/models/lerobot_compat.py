@@ -134,6 +134,16 @@ class LeRobotFamily(FlowFamilyBase):
     decides per bundle)."""
 
     state_required = True  # LeRobot's SmolVLA and pi0 always read observation.state
+    # The module whose ``import_lerobot(policy_dir, out, **options)`` reads the family's
+    # checkpoints (on models/lerobot/'s reader); imported only when a checkpoint is.
+    importer = ""
+
+    def import_lerobot(self, policy_dir, out, **options):
+        """A bundle at ``out`` from LeRobot's saved policy at ``policy_dir`` (``options``: the
+        family's typed import options, :class:`~vla_accel_ros.models.lerobot.reader.ImportOptions`)."""
+        import importlib
+
+        return importlib.import_module(self.importer).import_lerobot(policy_dir, out, **options)
 
     @staticmethod
     def padding_line(spec, opts: LeRobotOptions) -> str:

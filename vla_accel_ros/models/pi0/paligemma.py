@@ -128,12 +128,11 @@ class PaliGemmaPolicy(LeRobotPolicy):
 
 
 class PaliGemmaFamily(LeRobotFamily):
-    """The plug-in of a PaliGemma family: its model, policy and options classes, its importer."""
+    """The plug-in of a PaliGemma family: its model, policy and options classes (its importer: ``importer``)."""
 
     model_class: type[PaliGemmaModel]
     policy_class: type[PaliGemmaPolicy]
     options_class: type[LeRobotOptions]
-    importer = ""  # the module whose import_lerobot reads the family's LeRobot checkpoints
 
     def options_of(self, spec: BundleSpec) -> LeRobotOptions:
         return self.options_class.from_dict(spec.options or {})
@@ -165,9 +164,3 @@ class PaliGemmaFamily(LeRobotFamily):
         a = self.options_of(spec).max_action_dim
         out["denoise"] = flow_steps * denoise_step_flops(spec.expert, self.suffix_rows(spec), work.prefix_len, a)
         return out
-
-    def import_lerobot(self, policy_dir, out, **kwargs):
-        import importlib
-
-        return importlib.import_module(self.importer).import_lerobot(policy_dir, out, **kwargs)
-

@@ -438,6 +438,7 @@ class SmolVLAFamily(LeRobotFamily):
     and SmolVLA-architecture policies trained here (``vla-accel train --family smolvla``)."""
 
     name = "smolvla"
+    importer = "vla_accel_ros.models.smolvla.lerobot_import"
     trainable = True
     default_chunk_size = 50
     # Vision is most of a SmolVLA chunk (SigLIP at 512 px, 1,024 patches per camera): its linear
@@ -586,11 +587,6 @@ class SmolVLAFamily(LeRobotFamily):
 
         write_tokenizer(Path(out) / TOKENIZER_DIR, instructions, int(spec.lm["vocab_size"]))
         return spec.replace(tokenizer="bundle", text_vocab=int(spec.lm["vocab_size"]))
-
-    def import_lerobot(self, policy_dir, out, **kwargs):
-        from vla_accel_ros.models.smolvla.lerobot_import import import_lerobot
-
-        return import_lerobot(policy_dir, out, **kwargs)
 
 
 FAMILY = SmolVLAFamily()
