@@ -27,7 +27,7 @@ from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.models.factory import inspect_bundle, load_policy
 from vla_accel_ros.models.reference import check_fixture, fixture_observation, load_fixture
 from vla_accel_ros.models.smolvla.configuration_smolvla import SmolVLAOptions
-from vla_accel_ros.models.lerobot_compat import SOURCE_FILE
+from vla_accel_ros.models.lerobot.reader import SOURCE_FILE
 from vla_accel_ros.models.smolvla.lerobot_import import import_lerobot
 
 REPO = Path(__file__).resolve().parents[1]

@@ -96,7 +96,7 @@ class LeRobotBenchConfig:
 def camera_map(lerobot: Path, bundle_path: Path, spec) -> dict[str, str]:
     """LeRobot camera (``observation.images.<name>`` without the prefix) -> the bundle's camera:
     what the import noted in source.json, else the same names (a bundle exported to LeRobot)."""
-    from vla_accel_ros.models.lerobot_compat import SOURCE_FILE
+    from vla_accel_ros.models.lerobot.reader import SOURCE_FILE
 
     source = bundle_path / SOURCE_FILE
     if source.is_file():

@@ -200,7 +200,7 @@ def _pi05(args, clock: _StageClock, marks: dict[str, float]):
     return policy, _chunk_runner(policy, pre, post, marks), "preprocessor, predict_action_chunk, postprocessor"
 
 
-# The name LeRobot 0.3.3's PI0Policy loads (models/pi0/lerobot_import.TOKENIZER_ID; this worker
+# The name LeRobot 0.3.3's PI0Policy loads (models/lerobot/paligemma.TOKENIZER_ID; this worker
 # imports nothing of the package).
 PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"
 

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--lerobot", required=True, metavar="DIR", help="LeRobot's saved policy directory")
     m.add_argument(
         "--vlm", metavar="DIR",
-        help="the SmolVLM directory (config.json, tokenizer); default: vlm_model_name as a path, beside the checkpoint, "
+        help="smolvla: the SmolVLM directory (config.json, tokenizer); default: vlm_model_name as a path, beside the checkpoint, "
         "or in the local Hugging Face cache (never downloaded)",
     )  # fmt: skip
     m.add_argument(
@@ -117,6 +117,7 @@ def _import(args: argparse.Namespace) -> int:
         raise BundleError(f"{cfg_path}: LeRobot policy type {kind!r} does not import here; importable: {', '.join(importable)}")
     t = time.perf_counter()
     joints = tuple(j.strip() for j in args.joints.split(",") if j.strip()) or None
+    # Every flag is passed; an unset one is None, and a set one the family does not take is refused by its importer.
     path = get_family(kind).import_lerobot(
         args.lerobot, args.out, vlm=args.vlm, tokenizer=args.tokenizer, vision_heads=args.vision_heads, name=args.name,
         joint_names=joints, fps=args.fps, default_instruction=args.instruction,

@@ -1,5 +1,6 @@
 """What every policy shares, whatever its family (``ar`` and ``flow`` subclass
-:class:`PolicyBase`; LeRobot's ``smolvla`` and ``pi0`` through ``flow``'s ``FlowPolicy``): prefix
+:class:`PolicyBase`; ``flow`` and LeRobot's ``smolvla``, ``pi0`` and ``pi05`` through the
+flow-matching core, :class:`~vla_accel_ros.models.flow_core.FlowCore`): prefix
 assembly, planning, timing, reset, and the run-time interface (:meth:`PolicyBase.configure`,
 :meth:`PolicyBase.set_motion_mode`) that callers use instead of touching ``config`` or ``planner``."""
 
@@ -126,8 +127,8 @@ MOTION_MODES = tuple(MODE_NAMES.values())
 
 
 class PolicyBase:
-    """Prefix bookkeeping of every policy (:class:`ArPolicy`, :class:`FlowPolicy` and the
-    LeRobot families built on it)."""
+    """Prefix bookkeeping of every policy (:class:`ArPolicy`, and :class:`FlowCore` under
+    :class:`FlowPolicy` and the LeRobot families)."""
 
     family = ""
 

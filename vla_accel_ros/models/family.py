@@ -67,7 +67,9 @@ class Family:
 
     Families with random-weight demo bundles also define ``demo_spec(size, **kwargs)``; families
     whose checkpoints LeRobot saves define ``import_lerobot(policy_dir, out, **options)`` (the
-    family's name is LeRobot's policy ``type``).
+    family's name is LeRobot's policy ``type``; ``options`` are the fields of the family's typed
+    import options, :class:`~vla_accel_ros.models.lerobot.reader.ImportOptions`, which refuse
+    any other by name).
     """
 
     name = ""

@@ -3,7 +3,8 @@ description: the normalization modes with its eps, the image resize that keeps t
 pads on top and left, its frames as [0, 1] floats, the task text, the state and action padding,
 and the optional pi-ALOHA joint maps. Every family that imports LeRobot checkpoints builds on
 :class:`LeRobotPolicy`, so that the policies' inputs and outputs are LeRobot's to the last bit
-(the reference fixtures check it)."""
+(the reference fixtures check it). :class:`LeRobotCodec` is LeRobot's action codec for the
+flow-matching core (:mod:`~vla_accel_ros.models.flow_core`)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,9 @@ import torch.nn.functional as F
 
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError, ObservationError
-from vla_accel_ros.core.precision import COMPONENTS
-from vla_accel_ros.core.types import ChunkGuidance, Observation
+from vla_accel_ros.core.types import Observation
 from vla_accel_ros.models.common import Frames, make_tokenizer
-from vla_accel_ros.models.family import Family
-from vla_accel_ros.models.flow import FlowPolicy
+from vla_accel_ros.models.flow_core import FlowCore, FlowFamilyBase
 
 NORM_MODES = ("IDENTITY", "MEAN_STD", "MIN_MAX", "QUANTILES", "QUANTILE10")
 # The statistics each normalization mode reads (LeRobot's NormalizerProcessorStep).
@@ -129,18 +128,22 @@ def padded_frames(images, cameras: tuple[str, ...], size: int):
     return Frames(cameras=cameras, raw=raw, pixels=padded * 2.0 - 1.0)
 
 
-class LeRobotFamily(Family):
+class LeRobotFamily(FlowFamilyBase):
     """What the families of LeRobot checkpoints share: a VLM and an action expert, the flow-matching
     heads, the defaults of ``precision: auto`` (the flow family's measured ones; the gate
     decides per bundle)."""
 
-    precision_defaults = {"vision": "bf16", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32"}
-    precision_fallbacks = ({"expert": "fp32"}, {"lm": "fp32", "expert": "fp32"}, {c: "fp32" for c in COMPONENTS})
-    heads = ("state_proj", "action_in", "time_in", "time_out", "action_out")
     state_required = True  # LeRobot's SmolVLA and pi0 always read observation.state
+    # The module whose ``import_lerobot(policy_dir, out, **options)`` reads the family's
+    # checkpoints (on models/lerobot/'s reader); imported only when a checkpoint is.
+    importer = ""
 
-    def decoder_layers(self, model) -> dict:
-        return {"lm": model.vlm.layers, "expert": model.expert.layers}
+    def import_lerobot(self, policy_dir, out, **options):
+        """A bundle at ``out`` from LeRobot's saved policy at ``policy_dir`` (``options``: the
+        family's typed import options, :class:`~vla_accel_ros.models.lerobot.reader.ImportOptions`)."""
+        import importlib
+
+        return importlib.import_module(self.importer).import_lerobot(policy_dir, out, **options)
 
     @staticmethod
     def padding_line(spec, opts: LeRobotOptions) -> str:
@@ -166,38 +169,79 @@ def check_lerobot_io(spec, opts: LeRobotOptions) -> None:
         raise ConfigError("options.adapt_to_pi_aloha maps ALOHA's 14 joints: state_dim and action_dim must be 14")
 
 
-def write_imported(out, spec, weights: dict, tokenizer, source: dict):
-    """An imported bundle written beside ``out`` and renamed into place (no half bundle): its
-    weights, the tokenizer's files (saved by transformers) and ``source.json``."""
-    import json
-    import os
+class LeRobotCodec:
+    """LeRobot's action codec: actions normalized by its modes and eps (and mapped to pi's joint
+    space with ``adapt_to_pi_aloha``), zero-padded to ``max_action_dim`` inside the model, cut
+    back and unnormalized as its postprocessor does. ``pi_aloha_on_normalized``: where the
+    family's LeRobot version applies the pi-ALOHA maps (SmolVLA 0.4.x on normalized values, in
+    the policy after its preprocessor; pi0 0.3.3 on robot units)."""
 
-    from vla_accel_ros.core.bundle import TOKENIZER_DIR, save_bundle
-    from vla_accel_ros.core.errors import BundleError
+    def __init__(self, spec, options: LeRobotOptions, pi_aloha_on_normalized: bool) -> None:
+        self.spec, self.options, self.pi_aloha_on_normalized = spec, options, pi_aloha_on_normalized
+        self.width = options.max_action_dim  # the noise's and the model's action width
 
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        raise BundleError(f"{tmp} exists (an interrupted import?): remove it first")
-    save_bundle(tmp, spec, weights)
-    tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
-    (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n")
-    os.replace(tmp, out)
-    return out
+    def to_model(self, x: torch.Tensor, feature: str, mode: str) -> torch.Tensor:
+        """Robot units -> the model's space: LeRobot's normalization and, with
+        ``adapt_to_pi_aloha``, the map to pi's joint space (before or after normalizing, as the
+        family's LeRobot version does)."""
+        o = self.options
+        stats = self.spec.norm_stats.get(feature, {})
+        direction = "state" if feature == "state" else "actions_in"
+        if o.adapt_to_pi_aloha and not self.pi_aloha_on_normalized:
+            x = pi_aloha(x, direction=direction)
+        x = normalize(x, mode, stats, o.norm_eps)
+        return pi_aloha(x, direction=direction) if o.adapt_to_pi_aloha and self.pi_aloha_on_normalized else x
+
+    def actions_out(self, x: torch.Tensor) -> np.ndarray:
+        """The model's padded chunk [1, H, A] -> actions [H, action_dim] in robot units (the
+        inverse of :meth:`to_model`)."""
+        s, o = self.spec, self.options
+        a = x[:, :, : s.action_dim].detach().float()
+        aloha = o.adapt_to_pi_aloha
+        if aloha and self.pi_aloha_on_normalized:
+            a = pi_aloha(a, direction="actions_out")
+        a = normalize(a, o.action_norm, s.norm_stats["action"], o.norm_eps, inverse=True)
+        if aloha and not self.pi_aloha_on_normalized:
+            a = pi_aloha(a, direction="actions_out")
+        return a[0].numpy().astype(np.float32)
+
+    def guidance_targets(self, prev: np.ndarray, weights: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """RTC targets in the model's action space (normalized, padded; the padding unweighted)
+        from the previous chunk's first n actions [n, action_dim] and their weights [n]."""
+        s, o = self.spec, self.options
+        h, d, n = s.chunk_size, s.action_dim, prev.shape[0]
+        y = torch.zeros(1, h, o.max_action_dim)
+        y[:, :n, :d] = self.to_model(torch.from_numpy(prev)[None], "action", o.action_norm)
+        w = torch.zeros(1, h, o.max_action_dim)
+        w[0, :n, :d] = torch.from_numpy(weights)[:, None]
+        return y, w
+
+    def scale(self) -> tuple[np.ndarray, np.ndarray]:
+        """Deviations in units of the actions' spread: their std, else half the range the
+        normalization maps to [-1, 1], else 1 (identity without statistics)."""
+        st = self.spec.norm_stats["action"]
+        if "mean" in st and "std" in st:
+            return np.asarray(st["mean"], np.float32), np.maximum(np.asarray(st["std"], np.float32), 1e-6)
+        for lo, hi in ("min", "max"), ("q01", "q99"), ("q10", "q90"):
+            if lo in st and hi in st:
+                a, b = np.asarray(st[lo], np.float32), np.asarray(st[hi], np.float32)
+                return (a + b) / 2, np.maximum((b - a) / 2, 1e-6)
+        return np.zeros(self.spec.action_dim, np.float32), np.ones(self.spec.action_dim, np.float32)
 
 
-SOURCE_FILE = "source.json"  # an imported bundle's origin: the checkpoint, its config, its camera names
-
-
-class LeRobotPolicy(FlowPolicy):
-    """A flow-matching policy with LeRobot's inputs and outputs: its frames (resized with
+class LeRobotPolicy(FlowCore):
+    """The flow-matching core with LeRobot's inputs and outputs: its frames (resized with
     padding), the task text as its preprocessor passes it, the state normalized, mapped and
-    padded, the actions padded inside the model and unnormalized as its postprocessor does.
-    ``self.options`` (a :class:`LeRobotOptions`) must be set before ``__init__`` runs."""
+    padded, the actions through :class:`LeRobotCodec`. ``self.options`` (a
+    :class:`LeRobotOptions`) must be set before ``__init__`` runs."""
 
     options: LeRobotOptions
     # Where LeRobot applies ``adapt_to_pi_aloha``: SmolVLA (0.4.x, in the policy after its
     # preprocessor) on normalized values, pi0 (0.3.3) on robot units.
     pi_aloha_on_normalized = True
+
+    def make_codec(self) -> LeRobotCodec:
+        return LeRobotCodec(self.spec, self.options, self.pi_aloha_on_normalized)
 
     def make_tokenizer(self):
         return make_tokenizer(self.spec, self.bundle_path, truncate=self.options.truncate_text)
@@ -216,112 +260,15 @@ class LeRobotPolicy(FlowPolicy):
         text = self.spec.instruction_template.replace("{instruction}", instruction or self.spec.default_instruction)
         return text if text.endswith("\n") else text + "\n"
 
-    @property
-    def noise_shape(self) -> tuple[int, int]:
-        return (self.spec.chunk_size, self.options.max_action_dim)
-
-    def action_scale(self) -> tuple[np.ndarray, np.ndarray]:
-        """Deviations in units of the actions' spread: their std, else half the range the
-        normalization maps to [-1, 1], else 1 (identity without statistics)."""
-        st = self.spec.norm_stats["action"]
-        if "mean" in st and "std" in st:
-            return np.asarray(st["mean"], np.float32), np.maximum(np.asarray(st["std"], np.float32), 1e-6)
-        for lo, hi in ("min", "max"), ("q01", "q99"), ("q10", "q90"):
-            if lo in st and hi in st:
-                a, b = np.asarray(st[lo], np.float32), np.asarray(st[hi], np.float32)
-                return (a + b) / 2, np.maximum((b - a) / 2, 1e-6)
-        return np.zeros(self.spec.action_dim, np.float32), np.ones(self.spec.action_dim, np.float32)
-
-    def _to_model(self, x: torch.Tensor, feature: str, mode: str) -> torch.Tensor:
-        """Robot units -> the model's space: LeRobot's normalization and, with
-        ``adapt_to_pi_aloha``, the map to pi's joint space (before or after normalizing, as the
-        family's LeRobot version does)."""
-        o = self.options
-        stats = self.spec.norm_stats.get(feature, {})
-        direction = "state" if feature == "state" else "actions_in"
-        if o.adapt_to_pi_aloha and not self.pi_aloha_on_normalized:
-            x = pi_aloha(x, direction=direction)
-        x = normalize(x, mode, stats, o.norm_eps)
-        return pi_aloha(x, direction=direction) if o.adapt_to_pi_aloha and self.pi_aloha_on_normalized else x
-
     def model_state(self, state: np.ndarray | None) -> torch.Tensor:
-        """The state as state_proj reads it: normalized, mapped to pi's joint space with
+        """The state as the model reads it: normalized, mapped to pi's joint space with
         ``adapt_to_pi_aloha``, zero-padded.  -> [1, max_state_dim]"""
-        x = self._to_model(torch.from_numpy(self.checked_state(state))[None], "state", self.options.state_norm)
-        return F.pad(x, (0, self.options.max_state_dim - self.spec.state_dim))
+        return self.model_states(torch.from_numpy(self.checked_state(state))[None])
 
     def model_states(self, states: torch.Tensor) -> torch.Tensor:
-        """A batch of states [B, state_dim] in robot units -> [B, max_state_dim] (training)."""
-        x = self._to_model(states.float(), "state", self.options.state_norm)
+        """A batch of states [B, state_dim] in robot units -> [B, max_state_dim]."""
+        x = self.codec.to_model(states.float(), "state", self.options.state_norm)
         return F.pad(x, (0, self.options.max_state_dim - self.spec.state_dim))
 
     def frames(self, obs: Observation) -> Frames:
         return padded_frames(obs.images, self.spec.cameras, self.spec.image_size)
-
-    # -- training -----------------------------------------------------------------------------------
-    def training_loss(
-        self, pixels: torch.Tensor, states: torch.Tensor, instruction: str, actions: torch.Tensor, valid: torch.Tensor,
-        generator: torch.Generator | None, *, noise: torch.Tensor | None = None, time: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
-        """LeRobot's flow-matching loss (0.4.4's ``SmolVLAPolicy.forward``), term for term:
-        actions normalized (and mapped with ``adapt_to_pi_aloha``), zero-padded to
-        ``max_action_dim``; x_t = t noise + (1 - t) a, target u = noise - a, with t ~ 0.999
-        Beta(1.5, 1) + 0.001 and noise ~ N(0, 1) over the padded width; the mean squared error
-        over every sample, step and padded dimension. LeRobot reads the padding flags from a key
-        its datasets never write (``actions_id_pad``), so steps past an episode's end (the last
-        action repeated, as here) count too: ``valid`` is not applied, and the loss is LeRobot's.
-
-        ``noise`` [B, H, max_action_dim] and ``time`` [B] may be given (a check against LeRobot's
-        own loss); else drawn from ``generator``.  pixels: [B, C, 3, S, S] in [-1, 1] (resized
-        with padding); states: [B, state_dim] and actions: [B, H, action_dim] in robot units."""
-        del valid  # see above: LeRobot's loss ignores it
-        o = self.options
-        layout, prefix = self.batch_prefix(pixels, states, instruction)  # [B, P, W]
-        dev = prefix.device
-        a = self._to_model(actions.float(), "action", o.action_norm)
-        a = F.pad(a, (0, o.max_action_dim - self.spec.action_dim))  # [B, H, A]
-        b = a.shape[0]
-        if noise is None:
-            noise = torch.randn(a.shape, generator=generator)
-        if time is None:
-            time = 0.999 * torch.rand(b, generator=generator) ** (1.0 / 1.5) + 0.001  # inverse CDF of Beta(1.5, 1)
-        noise, time = noise.to(dev, torch.float32), time.to(dev, torch.float32)
-        x_t = time[:, None, None] * noise + (1.0 - time[:, None, None]) * a
-        v = self.training_velocity(layout, prefix, x_t, time).float()
-        loss = (v - (noise - a)).pow(2).mean()
-        return loss, {"loss": float(loss.detach())}
-
-    def training_velocity(self, layout, prefix: torch.Tensor, x_t: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
-        """The expert's velocity for a batch, differentiable: prefix [B, P, W] embeddings, x_t
-        [B, H, A] at flow times ``time`` [B] -> [B, H, A]. Families that train here define it."""
-        raise NotImplementedError(f"{self.family} bundles do not train here")
-
-    # -- the actions ------------------------------------------------------------------------------
-    def actions_out(self, x: torch.Tensor) -> np.ndarray:
-        """The model's padded chunk [1, H, A] -> actions [H, action_dim] in robot units (the
-        inverse of :meth:`_to_model`)."""
-        s, o = self.spec, self.options
-        a = x[:, :, : s.action_dim].detach().float()
-        aloha = o.adapt_to_pi_aloha
-        if aloha and self.pi_aloha_on_normalized:
-            a = pi_aloha(a, direction="actions_out")
-        a = normalize(a, o.action_norm, s.norm_stats["action"], o.norm_eps, inverse=True)
-        if aloha and not self.pi_aloha_on_normalized:
-            a = pi_aloha(a, direction="actions_out")
-        return a[0].numpy().astype(np.float32)
-
-    def _guidance_targets(self, guidance: ChunkGuidance) -> tuple[torch.Tensor, torch.Tensor]:
-        """RTC targets in the model's action space (normalized, padded; the padding unweighted)."""
-        s, o = self.spec, self.options
-        h, d = s.chunk_size, s.action_dim
-        prev = np.asarray(guidance.prev_actions, dtype=np.float32)
-        weights = np.asarray(guidance.weights, dtype=np.float32).reshape(-1)
-        if prev.ndim != 2 or prev.shape[1] != d or weights.shape[0] != h:
-            raise ObservationError(f"guidance needs prev_actions [<= {h}, {d}] and weights [{h}]")
-        n = min(h, prev.shape[0])
-        y = torch.zeros(1, h, o.max_action_dim)
-        y[:, :n, :d] = self._to_model(torch.from_numpy(prev[:n])[None], "action", o.action_norm)
-        w = torch.zeros(1, h, o.max_action_dim)
-        w[0, :n, :d] = torch.from_numpy(weights[:n])[:, None]
-        return y, w
-

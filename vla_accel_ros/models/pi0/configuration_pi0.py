@@ -5,13 +5,17 @@ Gemma, the Gemma expert) is in the bundle's ``vision`` / ``lm`` / ``expert`` sec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from vla_accel_ros.core.config import param
+from vla_accel_ros.models.lerobot.paligemma import PaliGemmaImport
 from vla_accel_ros.models.lerobot_compat import LeRobotOptions
 
 
 @dataclass(frozen=True)
 class Pi0Options(LeRobotOptions):
     """LeRobot pi0's input and output handling (its tokenizer step pads, it does not truncate)."""
+
+    import_options: ClassVar[type[PaliGemmaImport]] = PaliGemmaImport  # what `bundle import --lerobot` takes
 
     truncate_text: bool = param(False, doc="pi0 pads the prompt to tokenizer_max_length and never cuts it")

@@ -32,28 +32,26 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vla_accel_ros.core.bundle import BundleSpec
 from vla_accel_ros.core.engine import StepPlan
-from vla_accel_ros.core.kv_cache import Block, Segment
+from vla_accel_ros.core.kv_cache import Block
 from vla_accel_ros.core.prefix import PrefixLayout
 from vla_accel_ros.core.types import Observation
-from vla_accel_ros.models.common import sincos_embedding
+from vla_accel_ros.models.flow_core import TimeMLPHeads
 from vla_accel_ros.models.pi0.configuration_pi0 import Pi0Options
 from vla_accel_ros.models.pi0.paligemma import PaliGemmaFamily, PaliGemmaModel, PaliGemmaPolicy
-
-PERIODS = (4e-3, 4.0)  # the flow time's sine-cosine periods (pi0 fixes them)
 
 
 def options_of(spec: BundleSpec) -> Pi0Options:
     return Pi0Options.from_dict(spec.options or {})
 
 
-class Pi0Model(PaliGemmaModel):
+class Pi0Model(TimeMLPHeads, PaliGemmaModel):
     """The modules of a ``pi0`` bundle: PaliGemma's and the expert's, the state token's
-    projection and the time MLP over [action, time] features."""
+    projection and the time MLP over [action, time] features (the action tokens: the flow
+    core's :class:`~vla_accel_ros.models.flow_core.TimeMLPHeads` rule, periods 0.004 to 4)."""
 
     def __init__(self, spec: BundleSpec) -> None:
         opts = options_of(spec)
@@ -62,13 +60,6 @@ class Pi0Model(PaliGemmaModel):
         self.state_proj = nn.Linear(opts.max_state_dim, width)  # the state is a token of the expert's suffix
         self.time_in = nn.Linear(2 * width, width)
         self.time_out = nn.Linear(width, width)
-
-    def suffix_embeddings(self, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
-        """x_t: [B, H, A] noisy chunk at flow time t -> [B, H, W] (the action tokens)."""
-        a = self.action_in(x_t)
-        t = torch.as_tensor(t, dtype=torch.float32)
-        te = sincos_embedding(t.reshape(-1), a.shape[-1], *PERIODS).to(a.dtype)[:, None, :].expand_as(a)
-        return self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
 
 
 class Pi0Policy(PaliGemmaPolicy):
@@ -85,13 +76,9 @@ class Pi0Policy(PaliGemmaPolicy):
         return 1 + self.spec.chunk_size  # the state token, then the actions
 
     # -- the prefix and the suffix ---------------------------------------------------------------
-    def prepare_cache(self, layout: PrefixLayout) -> None:
-        if layout.length != self._layout_len:
-            # Prefix | state | actions: each block sees the blocks before it and itself.
-            blocks = (Block(layout.length, "bidirectional"), Block(1, "bidirectional"), Block(self.spec.chunk_size, "bidirectional"))
-            self.cache.set_layout([Segment(0, blocks)])
-            self.cache.invalidate()
-            self._layout_len = layout.length
+    def cache_blocks(self, layout: PrefixLayout) -> tuple[Block, ...]:
+        """Prefix | state | actions: each block sees the blocks before it and itself."""
+        return (Block(layout.length, "bidirectional"), Block(1, "bidirectional"), Block(self.spec.chunk_size, "bidirectional"))
 
     def _dynamic_rows(self, full: torch.Tensor, obs: Observation, layout: PrefixLayout) -> None:
         """pi0's state is the suffix's first token: embedded here, run by the expert."""
@@ -114,10 +101,6 @@ class Pi0Policy(PaliGemmaPolicy):
             out.append(float(t))
             t = np.float32(t + dt)
         return out
-
-    def static_steps(self, layout: PrefixLayout) -> dict:
-        suffix = torch.arange(layout.length, layout.length + self.suffix_len)
-        return {"prefill": (self.vlm_engine, layout.all_slots()), "expert": (self.expert_engine, suffix)}
 
     # -- the plain reference: parity gate and benchmark baseline ---------------------------------
     def reference_velocity(self, x: torch.Tensor, t: float, pkv, prefix_len: int) -> torch.Tensor:

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from vla_accel_ros.core.bundle import BundleSpec
-from vla_accel_ros.core.engine import StepPlan
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.prefix import PrefixLayout
 from vla_accel_ros.core.types import Observation
@@ -100,28 +99,19 @@ class PaliGemmaPolicy(LeRobotPolicy):
             attention="bidirectional", num_layers=self.vlm_stack.num_layers,
         )  # fmt: skip
 
-    def training_loss(self, *args, **kwargs):
-        raise ConfigError(f"{self.family} bundles are imported from LeRobot checkpoints; train them with LeRobot or openpi")
-
-    # -- the plain reference (FlowPolicy's, over the family's reference_velocity) ----------------
+    # -- the plain reference (the core's, over the family's reference_velocity) -------------------
     @torch.inference_mode()
     def prefix_intermediates(self, obs: Observation, noise: np.ndarray) -> tuple[dict, PrefixLayout, torch.Tensor]:
         """The prefix's intermediates a reference fixture carries (ours, in pipeline order), with
         the prefix in the cache for the suffix's: (name -> tensor, layout, the noise [1, H, A])."""
-        layout, ids = self.layout_of(obs)
-        self.prepare_cache(layout)
-        frames = self.frames(obs)
-        full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.all_cameras(layout))
-        rows = layout.all_slots()
-        self.vlm_engine.forward(full[rows][None], StepPlan(slots=rows, positions=rows))
-        self.planner.reset("external prefix write")
+        layout, frames, full, x0 = self.intermediate_prefix(obs, noise)
         ours = {f"image{i}_resized_padded_2x_minus_1": frames.pixels[i : i + 1] for i in range(len(layout.cameras))}
         ours["image0_features"] = self.model.vis.image_features(frames.pixels[:1])
         ours["prefix_embs"] = full[None]
         c = self.cache  # [L, B, Hkv, S, D] -> the fixture's [B, P, Hkv, D]
         ours["prefix_kv_layer0_keys"] = c.k[0, :, :, : layout.length].transpose(1, 2).float()
         ours["prefix_kv_layer0_values"] = c.v[0, :, :, : layout.length].transpose(1, 2).float()
-        return ours, layout, self._noise(noise)
+        return ours, layout, x0
 
     @staticmethod
     def paired(ours: dict, fixture: dict) -> dict:
@@ -138,12 +128,11 @@ class PaliGemmaPolicy(LeRobotPolicy):
 
 
 class PaliGemmaFamily(LeRobotFamily):
-    """The plug-in of a PaliGemma family: its model, policy and options classes, its importer."""
+    """The plug-in of a PaliGemma family: its model, policy and options classes (its importer: ``importer``)."""
 
     model_class: type[PaliGemmaModel]
     policy_class: type[PaliGemmaPolicy]
     options_class: type[LeRobotOptions]
-    importer = ""  # the module whose import_lerobot reads the family's LeRobot checkpoints
 
     def options_of(self, spec: BundleSpec) -> LeRobotOptions:
         return self.options_class.from_dict(spec.options or {})
@@ -175,9 +164,3 @@ class PaliGemmaFamily(LeRobotFamily):
         a = self.options_of(spec).max_action_dim
         out["denoise"] = flow_steps * denoise_step_flops(spec.expert, self.suffix_rows(spec), work.prefix_len, a)
         return out
-
-    def import_lerobot(self, policy_dir, out, **kwargs):
-        import importlib
-
-        return importlib.import_module(self.importer).import_lerobot(policy_dir, out, **kwargs)
-

@@ -5,9 +5,11 @@ Gemma expert with adaptive norms) is in the bundle's ``vision`` / ``lm`` / ``exp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from vla_accel_ros.core.config import param
 from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.models.lerobot.paligemma import PaliGemmaImport
 from vla_accel_ros.models.lerobot_compat import NORM_MODES, LeRobotOptions
 
 
@@ -16,6 +18,8 @@ class Pi05Options(LeRobotOptions):
     """LeRobot pi05's input and output handling. The state enters the prompt: normalized, padded
     to ``max_state_dim`` (the pre-processor's state step; 32 when it saved none, as LeRobot then
     rebuilds it), discretized into 256 bins over [-1, 1]."""
+
+    import_options: ClassVar[type[PaliGemmaImport]] = PaliGemmaImport  # what `bundle import --lerobot` takes
 
     max_state_dim: int = param(32, doc="the normalized state is zero-padded to this size before it is discretized into the prompt", range=(1, 4096))
     state_norm: str = param("QUANTILES", doc="normalization of the state before it is discretized (LeRobot NormalizationMode)", choices=NORM_MODES)

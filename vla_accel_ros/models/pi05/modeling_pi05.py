@@ -128,9 +128,7 @@ class Pi05Policy(PaliGemmaPolicy):
     def state_bins(self, state: np.ndarray | None) -> np.ndarray:
         """The observation's state as the prompt writes it: normalized, zero-padded to
         ``max_state_dim``, discretized (the state is required, as LeRobot's step requires it)."""
-        x = self._to_model(torch.from_numpy(self.checked_state(state))[None], "state", self.options.state_norm)
-        x = F.pad(x, (0, self.options.max_state_dim - self.spec.state_dim))
-        return discretize_state(x[0].numpy())
+        return discretize_state(self.model_state(state)[0].numpy())
 
     def prompt(self, instruction: str, state: np.ndarray | None = None) -> str:
         """The text the tokenizer reads: the task and the state's bins. Without a state (an
@@ -183,8 +181,7 @@ class Pi05Policy(PaliGemmaPolicy):
         """(ours, the reference's) of the intermediates LeRobot's pi05 fixtures carry, in
         pipeline order (``vla-accel parity --reference``)."""
         ours, layout, x0 = self.prefix_intermediates(obs, noise)
-        x = self._to_model(torch.from_numpy(self.checked_state(obs.state))[None], "state", self.options.state_norm)
-        ours["state_padded"] = F.pad(x, (0, self.options.max_state_dim - self.spec.state_dim))
+        ours["state_padded"] = self.model_state(obs.state)
         ours["adarms_cond_t1"] = self.expert_condition(1.0)
         ours["suffix_embs_t1"] = self.suffix_embeddings(x0, 1.0)
         ours["v_t_step0"] = self.velocity(x0, 1.0, layout.length)

@@ -24,12 +24,19 @@ it, K/V maps whose input size is not what the layer feeds them) is refused namin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from vla_accel_ros.core.config import param
 from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.models.lerobot.reader import ImportOptions
 from vla_accel_ros.models.lerobot_compat import LeRobotOptions
 
+
+@dataclass(frozen=True)
+class SmolVLAImport(ImportOptions):
+    """What importing a LeRobot SmolVLA checkpoint takes besides every family's options."""
+
+    vlm: str | None = param(None, doc="the SmolVLM directory (None: vlm_model_name as a path, beside the checkpoint, or in the local Hugging Face cache)")
 
 
 class LayerStep(NamedTuple):
@@ -43,6 +50,8 @@ class LayerStep(NamedTuple):
 @dataclass(frozen=True)
 class SmolVLAOptions(LeRobotOptions):
     """LeRobot SmolVLAConfig fields that change the forward pass, as a bundle stores them."""
+
+    import_options: ClassVar[type[ImportOptions]] = SmolVLAImport  # what `bundle import --lerobot` takes
 
     attention_mode: str = param("cross_attn", doc="LeRobot attention_mode: containing 'cross', the expert interleaves cross-attention layers")
     self_attn_every_n_layers: int = param(2, doc="in cross mode, VLM layers that are multiples of this are self-attention layers (<= 0: none)", range=(-1, 1024))

@@ -33,9 +33,9 @@ import torch
 
 from vla_accel_ros.core.bundle import CONFIG_FILE, TOKENIZER_DIR, WEIGHTS_FILE
 from vla_accel_ros.core.errors import BundleError, ConfigError
+from vla_accel_ros.models.lerobot.reader import IMAGE_KEY, POSTPROCESSOR, PREPROCESSOR
 from vla_accel_ros.models.smolvla.lerobot_import import _KEY_MAP as IMPORT_KEY_MAP
 
-_IMAGE_KEY = "observation.images."
 # Ours -> LeRobot's module names: the import's map, the other way round.
 _KEY_MAP = tuple((ours, theirs) for theirs, ours in IMPORT_KEY_MAP)
 PRE_STATS = "policy_preprocessor_step_5_normalizer_processor.safetensors"
@@ -56,7 +56,7 @@ def lerobot_weights(state: dict[str, torch.Tensor], vocab: int, hidden: int) -> 
 
 
 def _features(spec, image_hw: tuple[int, int]) -> tuple[dict, dict]:
-    inputs = {f"{_IMAGE_KEY}{c}": {"type": "VISUAL", "shape": [3, *image_hw]} for c in spec.cameras}
+    inputs = {f"{IMAGE_KEY}{c}": {"type": "VISUAL", "shape": [3, *image_hw]} for c in spec.cameras}
     inputs["observation.state"] = {"type": "STATE", "shape": [spec.state_dim]}
     return inputs, {"action": {"type": "ACTION", "shape": [spec.action_dim]}}
 
@@ -211,8 +211,8 @@ def export_lerobot(bundle: str | Path, out: str | Path, *, vlm_name: str = "", i
     save_file(lerobot_weights(model.state_dict(), vocab, hidden), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     _write_json(tmp / CONFIG_FILE, policy_config(spec, opts, name, image_hw))
     pre, post = processor_configs(spec, opts, name, image_hw)
-    _write_json(tmp / "policy_preprocessor.json", pre)
-    _write_json(tmp / "policy_postprocessor.json", post)
+    _write_json(tmp / PREPROCESSOR, pre)
+    _write_json(tmp / POSTPROCESSOR, post)
     stats = _stats(spec)
     save_file(stats, str(tmp / PRE_STATS))
     save_file(stats, str(tmp / POST_STATS))

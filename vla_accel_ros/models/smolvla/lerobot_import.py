@@ -13,26 +13,22 @@ Every option that changes the forward pass is carried into the bundle (see
 an effect on one inference (``pad_language_to`` and ``prefix_length``: padding tokens nobody
 attends to; ``empty_cameras``: blank cameras with no attention; ``n_action_steps``,
 ``rtc_config``: execution, which the controller does here) are noted in source.json. A value
-LeRobot itself cannot run is refused naming the option.
+LeRobot itself cannot run is refused naming the option. The layout every family shares (the
+processors and their statistics, the camera features, the bundle written) is read by
+:mod:`vla_accel_ros.models.lerobot.reader`; what is SmolVLA's own is here.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from vla_accel_ros.core.bundle import CONFIG_FILE, WEIGHTS_FILE, BundleSpec
 from vla_accel_ros.core.errors import BundleError, ConfigError
-from vla_accel_ros.models import demo
-from vla_accel_ros.models.factory import check_weights, spec_family
-from vla_accel_ros.models.lerobot_compat import write_imported
-from vla_accel_ros.models.lerobot_compat import NORM_MODES
+from vla_accel_ros.models.lerobot.reader import Checkpoint, read_json
 from vla_accel_ros.models.smolvla.configuration_smolvla import SmolVLAOptions
 
-_PREFIX = "model."
 # LeRobot's module names -> ours (the first prefix that matches).
 _KEY_MAP = (
     ("model.vlm_with_expert.vlm.model.vision_model.", "vis.vision."),
@@ -46,19 +42,6 @@ _KEY_MAP = (
     ("model.action_time_mlp_out.", "time_out."),
 )
 _UNUSED = ("model.vlm_with_expert.vlm.lm_head.",)  # SmolVLA never reads the VLM's language head
-_IMAGE_KEY = "observation.images."
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise BundleError(f"{path}: missing (a LeRobot policy directory holds config.json, model.safetensors and the processors' JSON)") from e
-    except json.JSONDecodeError as e:
-        raise BundleError(f"{path}: invalid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise BundleError(f"{path}: top level must be an object")
-    return data
 
 
 def find_vlm_dir(name: str, policy_dir: Path, vlm: str | Path | None) -> Path:
@@ -83,51 +66,16 @@ def find_vlm_dir(name: str, policy_dir: Path, vlm: str | Path | None) -> Path:
         ) from e
 
 
-def _processor_step(pipeline: dict, name: str) -> dict | None:
-    for step in pipeline.get("steps", []):
-        if step.get("registry_name") == name:
-            return step
-    return None
-
-
-def _stats(policy_dir: Path, step: dict | None) -> dict[str, dict[str, list[float]]]:
-    """Feature -> statistic -> values, from a normalizer step's state file."""
-    if step is None or not step.get("state_file"):
-        return {}
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(policy_dir / step["state_file"]))
-    out: dict[str, dict[str, list[float]]] = {}
-    for key, value in tensors.items():
-        feature, _, stat = key.rpartition(".")
-        out.setdefault(feature, {})[stat] = value.float().reshape(-1).tolist()
-    return out
-
-
-def _norm_mode(cfg: dict, kind: str) -> str:
-    mode = str((cfg.get("normalization_mapping") or {}).get(kind, "IDENTITY"))
-    if mode not in NORM_MODES:
-        raise ConfigError(f"normalization_mapping.{kind}={mode!r} is not a LeRobot normalization mode ({', '.join(NORM_MODES)})")
-    return mode
-
-
-def _check_config(cfg: dict) -> None:
-    if cfg.get("type") != "smolvla":
-        raise BundleError(f"config.json: type={cfg.get('type')!r}; this importer reads LeRobot smolvla checkpoints")
-    if cfg.get("use_delta_joint_actions_aloha"):
-        raise ConfigError("use_delta_joint_actions_aloha=true: LeRobot itself does not implement it (NotImplementedError)")
-    if int(cfg.get("n_obs_steps", 1)) != 1:
-        raise ConfigError(f"n_obs_steps={cfg.get('n_obs_steps')}: SmolVLA reads one observation step")
+def _check_config(ckpt: Checkpoint) -> None:
+    cfg = ckpt.cfg
+    ckpt.refuse_delta_actions()
+    ckpt.refuse_obs_steps("SmolVLA")
     size = cfg.get("resize_imgs_with_padding")
     if size is not None and (len(size) != 2 or size[0] != size[1]):
         raise ConfigError(
             f"resize_imgs_with_padding={size}: SmolVLM's pixel shuffle needs a square image (LeRobot fails on others)"
         )
-    if _norm_mode(cfg, "VISUAL") != "IDENTITY":
-        raise ConfigError(
-            f"normalization_mapping.VISUAL={_norm_mode(cfg, 'VISUAL')}: image normalization by dataset statistics is not "
-            "supported by this importer yet (SmolVLA's default is IDENTITY)"
-        )
+    ckpt.refuse_image_norm()
 
 
 def _map_weights(state: dict[str, torch.Tensor], vlm_layers: int) -> dict[str, torch.Tensor]:
@@ -148,69 +96,40 @@ def _map_weights(state: dict[str, torch.Tensor], vlm_layers: int) -> dict[str, t
     return out
 
 
-def import_lerobot(
-    policy_dir: str | Path, out: str | Path, *, vlm: str | Path | None = None, name: str | None = None,
-    joint_names: tuple[str, ...] | None = None, fps: float = 50.0, default_instruction: str = "", **unused,
-) -> Path:  # fmt: skip
-    """Write a ``smolvla`` bundle at ``out`` from LeRobot's saved policy at ``policy_dir``."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def import_lerobot(policy_dir: str | Path, out: str | Path, **options) -> Path:
+    """Write a ``smolvla`` bundle at ``out`` from LeRobot's saved policy at ``policy_dir``
+    (``options``: :class:`~vla_accel_ros.models.smolvla.configuration_smolvla.SmolVLAImport`'s fields)."""
     from transformers import AutoTokenizer
 
-    policy_dir, out = Path(policy_dir), Path(out)
-    if out.exists():
-        raise BundleError(f"{out} exists already; bundles are never overwritten")
-    cfg = _read_json(policy_dir / CONFIG_FILE)
-    _check_config(cfg)
-    pre = _read_json(policy_dir / "policy_preprocessor.json")
-    post = _read_json(policy_dir / "policy_postprocessor.json")
-    vlm_dir = find_vlm_dir(str(cfg.get("vlm_model_name", "")), policy_dir, vlm)
-    vlm_cfg = _read_json(vlm_dir / CONFIG_FILE)
+    opts = SmolVLAOptions.import_options.parse("smolvla", options)
+    ckpt = Checkpoint(policy_dir, out, "smolvla", SmolVLAOptions)
+    cfg = ckpt.cfg
+    _check_config(ckpt)
+    proc = ckpt.processors()
+    vlm_dir = find_vlm_dir(str(cfg.get("vlm_model_name", "")), ckpt.policy_dir, opts.vlm)
+    vlm_cfg = read_json(vlm_dir / CONFIG_FILE)
     text, vision = dict(vlm_cfg.get("text_config") or {}), dict(vlm_cfg.get("vision_config") or {})
     if not text or not vision:
         raise BundleError(f"{vlm_dir / CONFIG_FILE}: not a SmolVLM config (no text_config / vision_config)")
 
     # Features: the cameras (LeRobot's blank empty cameras are never attended to: left out), state, action.
-    feats = cfg.get("input_features") or {}
-    image_keys = [k for k, f in feats.items() if (f or {}).get("type") == "VISUAL" and not k.startswith(_IMAGE_KEY + "empty_camera_")]
-    if not image_keys:
-        raise BundleError("config.json: input_features has no camera (VISUAL) feature")
-    cameras = {k: k[len(_IMAGE_KEY):] if k.startswith(_IMAGE_KEY) else k for k in image_keys}
-    state_feat = feats.get("observation.state") or {}
-    action_feat = (cfg.get("output_features") or {}).get("action") or {}
-    if not state_feat or not action_feat:
-        raise BundleError("config.json: SmolVLA needs input_features.observation.state and output_features.action")
-    state_dim, action_dim = int(state_feat["shape"][0]), int(action_feat["shape"][0])
-
-    # Statistics as LeRobot's processors hold them (only what has the feature's size).
-    stats = {**_stats(policy_dir, _processor_step(post, "unnormalizer_processor")),
-             **_stats(policy_dir, _processor_step(pre, "normalizer_processor"))}  # fmt: skip
-    norm_step = _processor_step(pre, "normalizer_processor") or {}
-    eps = float((norm_step.get("config") or {}).get("eps", 1e-8))
-
-    def stats_of(feature: str, dim: int) -> dict[str, list[float]]:
-        return {k: v for k, v in stats.get(feature, {}).items() if len(v) == dim}
-
-    norm_stats = {"state": stats_of("observation.state", state_dim), "action": stats_of("action", action_dim)}
-    tok_step = (_processor_step(pre, "tokenizer_processor") or {}).get("config") or {}
+    cameras, state_dim, action_dim = ckpt.features()
+    tok_step = proc.config("tokenizer_processor")
     max_text = int(tok_step.get("max_length", cfg.get("tokenizer_max_length", 48)))
 
     # Weights: our names; the VLM truncated to num_vlm_layers; the expert's sizes from its weights.
-    try:
-        state = load_file(str(policy_dir / WEIGHTS_FILE))
-    except (SafetensorError, OSError) as e:
-        raise BundleError(f"{policy_dir / WEIGHTS_FILE}: unreadable safetensors file: {e}") from e
+    state = ckpt.weights()
     n_text = 1 + max((int(k.split(".")[6]) for k in state if k.startswith("model.vlm_with_expert.vlm.model.text_model.layers.")), default=-1)
     vlm_layers = int(cfg.get("num_vlm_layers", -1))
     vlm_layers = min(vlm_layers, n_text) if vlm_layers > 0 else n_text
     weights = _map_weights(state, vlm_layers)
     n_expert = 1 + max((int(k.split(".")[2]) for k in weights if k.startswith("expert.layers.")), default=-1)
     if n_expert < 1 or "expert.layers.0.mlp.gate_proj.weight" not in weights:
-        raise BundleError(f"{policy_dir / WEIGHTS_FILE}: no action expert layers (model.vlm_with_expert.lm_expert.*)")
+        raise BundleError(f"{ckpt.policy_dir / WEIGHTS_FILE}: no action expert layers (model.vlm_with_expert.lm_expert.*)")
     e_inter, e_hidden = weights["expert.layers.0.mlp.gate_proj.weight"].shape
 
     tokenizer = AutoTokenizer.from_pretrained(str(vlm_dir), local_files_only=True)
-    opts = SmolVLAOptions(
+    bundle_opts = SmolVLAOptions(
         max_state_dim=int(cfg.get("max_state_dim", 32)), max_action_dim=int(cfg.get("max_action_dim", 32)),
         attention_mode=str(cfg.get("attention_mode", "cross_attn")),
         self_attn_every_n_layers=int(cfg.get("self_attn_every_n_layers", 2)),
@@ -219,7 +138,7 @@ def import_lerobot(
         fake_image_token_id=int(getattr(tokenizer, "fake_image_token_id", None) or -1),
         global_image_token_id=int(getattr(tokenizer, "global_image_token_id", None) or -1),
         min_period=float(cfg.get("min_period", 4e-3)), max_period=float(cfg.get("max_period", 4.0)),
-        state_norm=_norm_mode(cfg, "STATE"), action_norm=_norm_mode(cfg, "ACTION"), norm_eps=eps,
+        state_norm=ckpt.norm_mode("STATE"), action_norm=ckpt.norm_mode("ACTION"), norm_eps=proc.eps,
         adapt_to_pi_aloha=bool(cfg.get("adapt_to_pi_aloha", False)), truncate_text=bool(tok_step.get("truncation", True)),
     )  # fmt: skip
     lm = {k: v for k, v in text.items() if k not in ("rope_scaling", "architectures", "torch_dtype", "dtype", "transformers_version")}
@@ -236,21 +155,14 @@ def import_lerobot(
         )
     vision_cfg = {k: v for k, v in vision.items() if k not in ("architectures", "torch_dtype", "dtype", "transformers_version")}
     vision_cfg["scale_factor"] = scale
-    joints = tuple(joint_names) if joint_names else demo.joint_names(action_dim)
     spec = BundleSpec(
-        family="smolvla", name=name or policy_dir.resolve().name, cameras=tuple(cameras.values()),
-        image_size=int(size[0]), patch_size=int(vision["patch_size"]) * scale, image_resize="pad", tokenizer="bundle",
-        instruction_template="{instruction}", default_instruction=default_instruction, max_text_tokens=max_text,
-        text_vocab=int(text.get("vocab_size", 16)), action_dim=action_dim, chunk_size=int(cfg.get("chunk_size", 50)),
-        dt=1.0 / fps, joint_names=joints, state_dim=state_dim, num_steps=int(cfg.get("num_steps", 10)),
-        norm_stats=norm_stats, vision=vision_cfg, lm=lm, expert=expert, options=opts.to_dict(),
+        **ckpt.spec_fields(opts, cameras, state_dim, action_dim), image_size=int(size[0]),
+        patch_size=int(vision["patch_size"]) * scale, max_text_tokens=max_text, text_vocab=int(text.get("vocab_size", 16)),
+        chunk_size=int(cfg.get("chunk_size", 50)), num_steps=int(cfg.get("num_steps", 10)),
+        norm_stats=proc.norm_stats(state_dim, action_dim), vision=vision_cfg, lm=lm, expert=expert, options=bundle_opts.to_dict(),
     )  # fmt: skip
-    spec_family(spec, out / CONFIG_FILE)
-    check_weights(policy_dir / WEIGHTS_FILE, spec, {k: (tuple(v.shape), True) for k, v in weights.items()})
-
-    source: dict[str, Any] = {
-        "lerobot_policy": str(policy_dir.resolve()), "vlm": str(vlm_dir.resolve()), "vlm_model_name": cfg.get("vlm_model_name"),
-        "cameras": cameras, "lerobot_config": cfg,
-        "no_effect_here": {k: cfg.get(k) for k in ("pad_language_to", "prefix_length", "empty_cameras", "n_action_steps", "rtc_config")},
-    }  # fmt: skip
-    return write_imported(out, spec, weights, tokenizer, source)
+    source = ckpt.source(
+        cameras, ("pad_language_to", "prefix_length", "empty_cameras", "n_action_steps", "rtc_config"),
+        vlm=str(vlm_dir.resolve()), vlm_model_name=cfg.get("vlm_model_name"),
+    )  # fmt: skip
+    return ckpt.write(spec, weights, tokenizer, source)

@@ -39,13 +39,14 @@ from torch import nn
 from vla_accel_ros.core.bundle import BundleSpec, head_dim
 from vla_accel_ros.core.engine import StepPlan
 from vla_accel_ros.core.errors import BundleError, ConfigError
-from vla_accel_ros.core.kv_cache import Block, Segment
+from vla_accel_ros.core.kv_cache import Block
 from vla_accel_ros.core.precision import COMPONENTS
 from vla_accel_ros.core.prefix import PrefixLayout
-from vla_accel_ros.core.types import ActionChunk, Observation
+from vla_accel_ros.core.types import Observation
 from vla_accel_ros.models import demo
-from vla_accel_ros.models.common import interrupt_between_layers, lm_config, sincos_embedding
+from vla_accel_ros.models.common import interrupt_between_layers, lm_config
 from vla_accel_ros.models.flops import decoder_layer_flops, vision_flops
+from vla_accel_ros.models.flow_core import TimeMLPHeads
 from vla_accel_ros.models.lerobot_compat import LeRobotFamily, LeRobotPolicy, check_lerobot_io
 from vla_accel_ros.models.smolvla.configuration_smolvla import SmolVLAOptions
 from vla_accel_ros.models.smolvla.expert import ExpertEngine
@@ -173,7 +174,7 @@ def get_intermediate_size(hidden: int, ffn_multiplier: int = 4, multiple_of: int
     return multiple_of * ((h + multiple_of - 1) // multiple_of)
 
 
-class SmolVLAModel(nn.Module):
+class SmolVLAModel(TimeMLPHeads, nn.Module):
     """The modules of a ``smolvla`` bundle."""
 
     def __init__(self, spec: BundleSpec) -> None:
@@ -195,21 +196,11 @@ class SmolVLAModel(nn.Module):
                 attn.v_proj = nn.Linear(kv_width, e_kv, bias=bias)
         self.vis = SmolVLAVision(spec, hidden)
         self.state_proj = nn.Linear(opts.max_state_dim, hidden)
-        self.action_in = nn.Linear(opts.max_action_dim, width)
-        self.time_in = nn.Linear(2 * width, width)
-        self.time_out = nn.Linear(width, width)
-        self.action_out = nn.Linear(width, opts.max_action_dim)
+        self.add_action_heads(opts.max_action_dim, width)
         self.periods = (opts.min_period, opts.max_period)
 
     def embed_ids(self, ids: list[int]) -> torch.Tensor:
         return self.vlm.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=self.vlm.embed_tokens.weight.device))
-
-    def suffix_embeddings(self, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
-        """x_t: [B, H, A] noisy chunk at flow time t (a float, or [B]) -> [B, H, W]."""
-        a = self.action_in(x_t)
-        t = torch.as_tensor(t, dtype=torch.float32)
-        te = sincos_embedding(t.reshape(-1), a.shape[-1], *self.periods).to(a.dtype)[:, None, :].expand_as(a)
-        return self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
 
 
 class SmolVLAPolicy(LeRobotPolicy):
@@ -251,13 +242,10 @@ class SmolVLAPolicy(LeRobotPolicy):
             static_patch=int(s.vision["patch_size"]),
         )  # fmt: skip
 
-    def prepare_cache(self, layout: PrefixLayout) -> None:
-        if layout.length != self._layout_len:
-            # Images and language one bidirectional block; the state token after it sees it,
-            # it does not see the state.
-            self.cache.set_layout([Segment(0, (Block(layout.length - 1, "bidirectional"), Block(1, "bidirectional")))])
-            self.cache.invalidate()
-            self._layout_len = layout.length
+    def cache_blocks(self, layout: PrefixLayout) -> tuple[Block, ...]:
+        """Images and language one bidirectional block; the state token after it sees it, it does
+        not see the state (the expert's rows are never cached)."""
+        return (Block(layout.length - 1, "bidirectional"), Block(1, "bidirectional"))
 
     def _static_prefix(self, layout: PrefixLayout, ids: list[int]) -> torch.Tensor:
         m = self.model
@@ -275,10 +263,45 @@ class SmolVLAPolicy(LeRobotPolicy):
     def static_steps(self, layout: PrefixLayout) -> dict:
         return {"prefill": (self.vlm_engine, layout.all_slots())}
 
+    # -- training -----------------------------------------------------------------------------------
+    def training_loss(
+        self, pixels: torch.Tensor, states: torch.Tensor, instruction: str, actions: torch.Tensor, valid: torch.Tensor,
+        generator: torch.Generator | None, *, noise: torch.Tensor | None = None, time: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+        """LeRobot's flow-matching loss (0.4.4's ``SmolVLAPolicy.forward``), term for term:
+        actions normalized (and mapped with ``adapt_to_pi_aloha``), zero-padded to
+        ``max_action_dim``; x_t = t noise + (1 - t) a, target u = noise - a, with t ~ 0.999
+        Beta(1.5, 1) + 0.001 and noise ~ N(0, 1) over the padded width; the mean squared error
+        over every sample, step and padded dimension. LeRobot reads the padding flags from a key
+        its datasets never write (``actions_id_pad``), so steps past an episode's end (the last
+        action repeated, as here) count too: ``valid`` is not applied, and the loss is LeRobot's.
+
+        ``noise`` [B, H, max_action_dim] and ``time`` [B] may be given (a check against LeRobot's
+        own loss); else drawn from ``generator``.  pixels: [B, C, 3, S, S] in [-1, 1] (resized
+        with padding); states: [B, state_dim] and actions: [B, H, action_dim] in robot units."""
+        del valid  # see above: LeRobot's loss ignores it
+        o = self.options
+        layout, prefix = self.batch_prefix(pixels, states, instruction)  # [B, P, W]
+        dev = prefix.device
+        a = self.codec.to_model(actions.float(), "action", o.action_norm)
+        a = F.pad(a, (0, o.max_action_dim - self.spec.action_dim))  # [B, H, A]
+        b = a.shape[0]
+        if noise is None:
+            noise = torch.randn(a.shape, generator=generator)
+        if time is None:
+            time = 0.999 * torch.rand(b, generator=generator) ** (1.0 / 1.5) + 0.001  # inverse CDF of Beta(1.5, 1)
+        noise, time = noise.to(dev, torch.float32), time.to(dev, torch.float32)
+        x_t = time[:, None, None] * noise + (1.0 - time[:, None, None]) * a
+        v = self.training_velocity(layout, prefix, x_t, time).float()
+        loss = (v - (noise - a)).pow(2).mean()
+        return loss, {"loss": float(loss.detach())}
+
     def training_velocity(self, layout: PrefixLayout, prefix: torch.Tensor, x_t: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
-        """LeRobot trains prefix and suffix in one pass whose masks keep the prefix from seeing
-        the actions: the same numbers as the VLM's prefix K/V first, then the expert over them,
-        which is the path :meth:`reference_infer` takes (one copy of the expert's rule)."""
+        """The expert's velocity for a batch, differentiable: prefix [B, P, W] embeddings, x_t
+        [B, H, A] at flow times ``time`` [B] -> [B, H, A]. LeRobot trains prefix and suffix in one
+        pass whose masks keep the prefix from seeing the actions: the same numbers as the VLM's
+        prefix K/V first, then the expert over them, which is the path :meth:`reference_infer`
+        takes (one copy of the expert's rule)."""
         return self.model.action_out(self._reference_expert(self.model.suffix_embeddings(x_t, time), self._prefix_kv(layout, prefix), layout.length))
 
     # -- the plain reference: parity gate and benchmark baseline ---------------------------------
@@ -293,22 +316,14 @@ class SmolVLAPolicy(LeRobotPolicy):
         layout, full = self.full_prefix(obs)
         return self.model.vlm(inputs_embeds=full[None], attention_mask=self._prefix_mask(layout)[None, None]).last_hidden_state[0]
 
-    @torch.inference_mode()
-    def reference_infer(self, obs: Observation, *, noise: np.ndarray | None = None) -> ActionChunk:
-        """transformers' own VLM forward over the whole prefix (a 4-D mask, its DynamicCache),
-        then per Euler step the expert written out with dense masks over explicit K/V: no
-        slots, no valid flags, no plan (what the engine path is checked against)."""
-        timer, layout, full, x = self.reference_prefix(obs, noise)
-        with timer.stage("prefill"):
-            prefix_kv = self._prefix_kv(layout, full[None])
-        with timer.stage("denoise"):
-            steps = self.num_steps
-            dt = 1.0 / steps
-            for i in range(steps):
-                t = 1.0 - i * dt
-                hid = self._reference_expert(self.model.suffix_embeddings(x, t), prefix_kv, layout.length)
-                x = x - dt * self.model.action_out(hid)
-        return self.reference_chunk(obs, timer, x)
+    def reference_prefill(self, full: torch.Tensor, layout: PrefixLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """transformers' own VLM forward over the whole prefix (a 4-D mask, its DynamicCache) ->
+        per layer (keys, values): the reference expert, written out with dense masks over explicit
+        K/V (no slots, no valid flags, no plan), reads them (:meth:`reference_velocity`)."""
+        return self._prefix_kv(layout, full[None])
+
+    def reference_velocity(self, x: torch.Tensor, t: float, prefix_kv, prefix_len: int) -> torch.Tensor:
+        return self.model.action_out(self._reference_expert(self.model.suffix_embeddings(x, t), prefix_kv, prefix_len))
 
     def _prefix_kv(self, layout: PrefixLayout, full: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """transformers' own VLM forward over prefixes [B, P, W] (a 4-D mask, its DynamicCache)
@@ -363,14 +378,7 @@ class SmolVLAPolicy(LeRobotPolicy):
         pipeline order (``vla-accel parity --reference``): the first camera's pixels and
         connector output, the prefix embeddings (the fixture's padding rows left out), the
         padded state, the velocity at t = 1 and the final padded sample."""
-        layout, ids = self.layout_of(obs)
-        self.prepare_cache(layout)
-        frames = self.frames(obs)
-        full = self.prefix_embeddings(obs, layout, ids, frames.pixels, self.all_cameras(layout))
-        rows = layout.all_slots()
-        self.vlm_engine.forward(full[None], StepPlan(slots=rows, positions=rows))
-        self.planner.reset("external prefix write")
-        x0 = self._noise(noise)
+        layout, frames, full, x0 = self.intermediate_prefix(obs, noise)
         out = {
             "image0_after_resize_with_pad_and_2x_minus_1": frames.pixels[:1],
             "image0_connector_out": self.model.vis(frames.pixels[:1]) / self.model.vis.embed_scale,
@@ -430,6 +438,7 @@ class SmolVLAFamily(LeRobotFamily):
     and SmolVLA-architecture policies trained here (``vla-accel train --family smolvla``)."""
 
     name = "smolvla"
+    importer = "vla_accel_ros.models.smolvla.lerobot_import"
     trainable = True
     default_chunk_size = 50
     # Vision is most of a SmolVLA chunk (SigLIP at 512 px, 1,024 patches per camera): its linear
@@ -578,11 +587,6 @@ class SmolVLAFamily(LeRobotFamily):
 
         write_tokenizer(Path(out) / TOKENIZER_DIR, instructions, int(spec.lm["vocab_size"]))
         return spec.replace(tokenizer="bundle", text_vocab=int(spec.lm["vocab_size"]))
-
-    def import_lerobot(self, policy_dir, out, **kwargs):
-        from vla_accel_ros.models.smolvla.lerobot_import import import_lerobot
-
-        return import_lerobot(policy_dir, out, **kwargs)
 
 
 FAMILY = SmolVLAFamily()
