@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from vla_accel_ros.bench.outcomes import mcnemar_exact, paired_vs_baseline, stage_summary, wilson_interval
@@ -268,3 +269,35 @@ def test_scheduler_overrides_reach_the_controller_and_the_graphs_parameter_file(
     assert main(argv) == 2
     assert "--scheduler aggregation=newest" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_an_episodes_noise_depends_on_its_seed_not_on_where_the_run_started(tiny_bundles, monkeypatch):
+    """Seed 8 draws the same noise in a run of seeds 7, 8 and in a run of seed 8 alone, so an
+    episode (a failure seen in a long run) replays by its seed."""
+    from vla_accel_ros.bench import eval as ev
+
+    drawn: dict[int, list] = {}
+    original = ev.run_episode
+
+    def recording(robot, run, graph, seed, cfg):
+        infer = run.policy.infer
+
+        def infer_and_note(obs, *, noise=None, guidance=None):
+            drawn.setdefault((cfg.seed, seed), []).append(None if noise is None else noise.copy())
+            return infer(obs, noise=noise, guidance=guidance)
+
+        monkeypatch.setattr(run.policy, "infer", infer_and_note)
+        try:
+            return original(robot, run, graph, seed, cfg)
+        finally:
+            monkeypatch.setattr(run.policy, "infer", infer)
+
+    monkeypatch.setattr(ev, "run_episode", recording)
+    for start, episodes in ((7, 2), (8, 1)):
+        cfg = ev.EvalConfig(bundle=tiny_bundles["flow"], episodes=episodes, steps=8, modes=("baseline",), parity_check=False,
+                            num_threads=1, open_loop_episodes=0, height=120, width=160, seed=start)  # fmt: skip
+        ev.run_eval(cfg, progress=False)
+    long_run, alone, other = drawn[(7, 8)], drawn[(8, 8)], drawn[(7, 7)]
+    assert long_run and len(long_run) == len(alone)
+    assert all(np.array_equal(a, b) for a, b in zip(long_run, alone))
+    assert not np.array_equal(long_run[0], other[0])  # and seeds differ from one another
