@@ -92,3 +92,29 @@ def test_camera_node_does_not_load_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False"], "importing the camera node loads torch"
+
+
+def test_the_family_registry_declares_what_each_plug_in_does_and_lists_without_torch():
+    """family_names(can=...) answers from the registry alone (no family module, no torch), and
+    every declaration matches the plug-in it names."""
+    from vla_accel_ros.models.family import CAPABILITIES, family_names, get_family
+
+    code = ("import sys; from vla_accel_ros.models.family import CAPABILITIES, family_names; "
+            "[family_names(can=c) for c in CAPABILITIES]; print('torch' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"], "listing the families that can do something loads torch"
+    for name in family_names():
+        fam = get_family(name)
+        declared = {c for c in CAPABILITIES if name in family_names(can=c)}
+        actual = {c for c, has in (("train", fam.trainable), ("demo", hasattr(fam, "demo_spec")),
+                                   ("import_lerobot", hasattr(fam, "import_lerobot"))) if has}  # fmt: skip
+        assert declared == actual, name
+    assert family_names(can="import_lerobot") == ("smolvla", "pi0", "pi05")
+
+
+def test_a_family_without_a_capability_is_refused_naming_those_with_it():
+    from vla_accel_ros.core.errors import ConfigError
+    from vla_accel_ros.models.factory import demo_spec
+
+    with pytest.raises(ConfigError, match=r"family='pi0' has no random-weight demo bundles; families that do: ar, flow, smolvla, pi05"):
+        demo_spec("pi0", "tiny")

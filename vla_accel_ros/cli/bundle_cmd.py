@@ -112,7 +112,7 @@ def _import(args: argparse.Namespace) -> int:
         kind = json.loads(cfg_path.read_text()).get("type")
     except (OSError, json.JSONDecodeError) as e:
         raise BundleError(f"--lerobot {args.lerobot}: no readable config.json ({e})") from e
-    importable = [n for n in family_names() if hasattr(get_family(n), "import_lerobot")]
+    importable = family_names(can="import_lerobot")  # LeRobot's policy type is the family's name
     if kind not in importable:
         raise BundleError(f"{cfg_path}: LeRobot policy type {kind!r} does not import here; importable: {', '.join(importable)}")
     t = time.perf_counter()

@@ -47,10 +47,9 @@ def demo_spec(family: str, size: str, **kwargs) -> BundleSpec:
     """The spec of a random-weight ``size`` model of ``family`` (:mod:`vla_accel_ros.models.demo`;
     keyword arguments: cameras, action_dim, chunk_size, lm_type, state_dim, norm_stats, name,
     default_instruction, reasoning_words, max_reasoning_tokens, as the family takes them)."""
-    fam = get_family(family)
-    if not hasattr(fam, "demo_spec"):
-        with_demo = [n for n in family_names() if hasattr(get_family(n), "demo_spec")]
-        raise ConfigError(f"family={family!r} has no random-weight demo bundles; families that do: {', '.join(with_demo)}")
+    fam = get_family(family)  # BundleError for an unknown family
+    if family not in family_names(can="demo"):
+        raise ConfigError(f"family={family!r} has no random-weight demo bundles; families that do: {', '.join(family_names(can='demo'))}")
     return fam.demo_spec(size, **kwargs)
 
 

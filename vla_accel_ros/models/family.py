@@ -7,7 +7,7 @@ of the package (bundle loading, the parity gate, precision, replay, evaluation, 
 nodes) asks the family and never branches on its name.
 
 To add a family: write a module with a :class:`Family` subclass and a module-level ``FAMILY``
-instance, and add its name and module to :data:`_MODULES`. Its policy class implements the
+instance, and add its name, module and capabilities to :data:`_REGISTRY`. Its policy class implements the
 policy interface of :mod:`vla_accel_ros.core.types` plus what :class:`~vla_accel_ros.models.base.PolicyBase`
 asks of subclasses (see there), ``reference_infer`` (the plain, un-accelerated forward the
 parity gate compares the engine with) and ``gate_noise`` / ``compare_precision``.
@@ -16,6 +16,7 @@ parity gate compares the engine with) and ``gate_noise`` / ``compare_precision``
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from vla_accel_ros.core.bundle import BundleSpec, head_dim
@@ -24,27 +25,44 @@ from vla_accel_ros.core.errors import BundleError, ConfigError
 if TYPE_CHECKING:  # the registry itself stays light: the CLI lists families without torch
     from torch import nn
 
-# family name -> module defining FAMILY. Imported on first use: a process that runs one family
+@dataclass(frozen=True)
+class Registered:
+    """A family's entry in the registry: where its plug-in lives and what it can do, declared
+    here so that listing the families that can do something imports none of their modules
+    (each pulls in torch and transformers). ``test_family_registry`` checks every declaration
+    against the plug-in itself."""
+
+    module: str  # defines FAMILY
+    train: bool = False  # `vla-accel train` trains it from bags (Family.trainable)
+    demo: bool = False  # `vla-accel bundle create-demo` writes random-weight bundles (Family.demo_spec)
+    import_lerobot: bool = False  # `vla-accel bundle import --lerobot` reads LeRobot's checkpoints (Family.import_lerobot)
+
+
+# family name -> its entry. A module is imported on first use: a process that runs one family
 # never imports the others' modules.
-_MODULES = {
-    "ar": "vla_accel_ros.models.ar",
-    "flow": "vla_accel_ros.models.flow",
-    "smolvla": "vla_accel_ros.models.smolvla",
-    "pi0": "vla_accel_ros.models.pi0",
-    "pi05": "vla_accel_ros.models.pi05",
+_REGISTRY = {
+    "ar": Registered("vla_accel_ros.models.ar", train=True, demo=True),
+    "flow": Registered("vla_accel_ros.models.flow", train=True, demo=True),
+    "smolvla": Registered("vla_accel_ros.models.smolvla", train=True, demo=True, import_lerobot=True),
+    "pi0": Registered("vla_accel_ros.models.pi0", import_lerobot=True),
+    "pi05": Registered("vla_accel_ros.models.pi05", demo=True, import_lerobot=True),
 }
+CAPABILITIES = ("train", "demo", "import_lerobot")
 
 
-def family_names() -> tuple[str, ...]:
-    return tuple(_MODULES)
+def family_names(can: str = "") -> tuple[str, ...]:
+    """Every family's name, or with ``can`` (one of :data:`CAPABILITIES`) those that declare it."""
+    if can and can not in CAPABILITIES:
+        raise ValueError(f"can={can!r}: one of {', '.join(CAPABILITIES)}")
+    return tuple(n for n, r in _REGISTRY.items() if not can or getattr(r, can))
 
 
 def get_family(name: str) -> "Family":
     """The plug-in of family ``name``; :class:`BundleError` naming the known ones otherwise."""
-    module = _MODULES.get(name)
-    if module is None:
-        raise BundleError(f"family={name!r} is not a known model family; known: {', '.join(_MODULES)}")
-    return importlib.import_module(module).FAMILY
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise BundleError(f"family={name!r} is not a known model family; known: {', '.join(_REGISTRY)}")
+    return importlib.import_module(entry.module).FAMILY
 
 
 class Family:

@@ -117,8 +117,8 @@ class TrainConfig(Config):
         except BundleError as e:
             raise ConfigError(f"TrainConfig.family={self.family!r}: not one of {', '.join(family_names())}") from e
         if not family.trainable:
-            trainable = [n for n in family_names() if get_family(n).trainable]
-            raise ConfigError(f"TrainConfig.family={self.family!r} does not train from bags here; use one of {', '.join(trainable)}")
+            raise ConfigError(f"TrainConfig.family={self.family!r} does not train from bags here; "
+                              f"use one of {', '.join(family_names(can='train'))}")  # fmt: skip
         if self.reasoning and not family.writes_reasoning:
             raise ConfigError(f"TrainConfig.reasoning={self.reasoning!r}: the {self.family} family writes no reasoning")
         if self.state_dropout and not self.state:
