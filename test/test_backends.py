@@ -227,8 +227,32 @@ def test_export_onnx_steps_match_the_engine(smolvla, tmp_path):
     base = smolvla[0]
     out = tmp_path / "graphs"
     assert main(["export", "--bundle", base.bundle_path, "--out", str(out), "--onnx", "--steps", "--tolerance", "1e-4"]) == 0
-    step = json.loads((out / "export.json").read_text())["graphs"]["step/prefill"]
-    assert step["max_abs_vs_engine"] < 1e-4 and (out / "prefill.onnx").is_file()
+    graphs = json.loads((out / "export.json").read_text())["graphs"]
+    for name in ("prefill", "expert"):  # the expert: one denoising pass with the prefix K/V as inputs
+        assert graphs[f"step/{name}"]["max_abs_vs_engine"] < 1e-4 and (out / f"{name}.onnx").is_file(), name
+    import onnx
+
+    inputs = [i.name for i in onnx.load(str(out / "expert.onnx"), load_external_data=False).graph.input]
+    assert inputs == ["x", "k_cache", "v_cache", "valid", "cross_k", "cross_v"]
+
+
+@pytest.mark.slow
+def test_export_onnx_steps_of_an_adaptive_expert_take_its_condition(tmp_path):
+    """pi0.5's expert (adaptive norms): its ONNX step takes the condition as an input and
+    matches the engine under a random one."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    import json
+
+    import onnx
+
+    from vla_accel_ros.cli import main
+
+    path = create_demo_bundle("pi05", "tiny", tmp_path / "pi05")
+    out = tmp_path / "graphs"
+    assert main(["export", "--bundle", str(path), "--out", str(out), "--onnx", "--steps", "--tolerance", "1e-4"]) == 0
+    graphs = json.loads((out / "export.json").read_text())["graphs"]
+    assert graphs["step/expert"]["max_abs_vs_engine"] < 1e-4
+    assert [i.name for i in onnx.load(str(out / "expert.onnx"), load_external_data=False).graph.input][-1] == "cond"
 
 
 def test_parity_cli_gates_a_backend(smolvla, capsys):

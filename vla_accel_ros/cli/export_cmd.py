@@ -29,8 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--onnx: a bag whose frames calibrate OpenVINO's int8 graph (NNCF)")
     p.add_argument("--calibrate-frames", type=int, default=32, help="observations of --calibrate used (default %(default)s)")
     p.add_argument("--steps", action="store_true",
-                   help="--onnx: also the engine's static steps (<step>.onnx: e.g. the prefix pass), checked against "
-                   "the engine on ONNX Runtime; no policy runs them yet")
+                   help="--onnx: also the prefix pass and one pass of the action expert (prefill.onnx, expert.onnx; "
+                   "ar: prefill, decode), checked against the eager steps on ONNX Runtime; no policy runs them yet")
     p.set_defaults(func=_run)
 
 
@@ -129,17 +129,17 @@ def _onnx(args: argparse.Namespace) -> int:
 
 def _onnx_steps(policy, obs, out: Path, graphs: dict) -> float:
     """The engine's static steps as ONNX graphs into ``out``; the largest |graph - engine|."""
-    from vla_accel_ros.core.export import check_onnx_step, export_onnx_step, policy_steps
+    from vla_accel_ros.core.export import policy_onnx_graphs
     from vla_accel_ros.core.parity import gate_noise
 
     worst = 0.0
-    for name, (engine, slots) in policy_steps(policy).items():
+    for name, graph in policy_onnx_graphs(policy).items():
         policy.infer(obs, noise=gate_noise(policy))  # a realistic cache state for the check
-        path = export_onnx_step(engine, slots, out / f"{name}.onnx")
-        delta = check_onnx_step(path, engine, slots)
+        path = graph.export(out / f"{name}.onnx")
+        delta = graph.check(path)
         worst = max(worst, delta)
-        print(f"{name:8s} {slots.numel():4d} rows  {path.name}  max |graph - engine| {delta:.2e} (ONNX Runtime)")
-        graphs[f"step/{name}"] = {"file": path.name, "rows": slots.numel(), "max_abs_vs_engine": delta}
+        print(f"{name:8s} {graph.rows:4d} rows  {path.name}  max |graph - engine| {delta:.2e} (ONNX Runtime)")
+        graphs[f"step/{name}"] = {"file": path.name, "rows": graph.rows, "max_abs_vs_engine": delta}
     return worst
 
 

@@ -27,13 +27,16 @@ live in the exporting process (compiled graphs reach them through ``vla_accel::i
 The same steps export to ONNX (:func:`export_onnx_step`, ``vla-accel export --onnx --steps``):
 a functional graph with the attention as standard ops (:class:`OnnxStep`), for ONNX Runtime,
 OpenVINO and TensorRT; checked against the engine on ONNX Runtime, not yet run by a policy.
+A family whose step is not an engine's adds its own graph (``onnx_steps``: SmolVLA's expert,
+:class:`~vla_accel_ros.models.smolvla.expert.OnnxExpertStep`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -89,6 +92,29 @@ def policy_steps(policy) -> dict[str, tuple[Engine, torch.Tensor]]:
     layout, _ = policy.layout_for(policy.spec.default_instruction)
     policy.prepare_cache(layout)
     return policy.static_steps(layout)
+
+
+@dataclass(frozen=True)
+class OnnxGraph:
+    """One step of a policy as an ONNX graph: how to write it and how to check it against the
+    eager step it replaces (max |graph - eager| of its output on ONNX Runtime)."""
+
+    rows: int
+    export: Callable[[Path], Path]
+    check: Callable[[Path], float]
+
+
+def engine_onnx_graph(engine: Engine, slots: torch.Tensor) -> OnnxGraph:
+    return OnnxGraph(slots.numel(), lambda path: export_onnx_step(engine, slots, path), lambda path: check_onnx_step(path, engine, slots))
+
+
+def policy_onnx_graphs(policy) -> dict[str, OnnxGraph]:
+    """The steps of a policy as ONNX graphs, for the prefix of its default instruction: its
+    engine steps (``static_steps``) and what a family runs outside an engine (``onnx_steps``:
+    SmolVLA's expert over the prefix K/V)."""
+    layout, _ = policy.layout_for(policy.spec.default_instruction)
+    policy.prepare_cache(layout)
+    return policy.onnx_steps(layout)
 
 
 def export_policy(policy) -> dict[str, torch.export.ExportedProgram]:
@@ -159,37 +185,43 @@ class OnnxStep(nn.Module):
         self.register_buffer("slots", slots.clone(), persistent=False)
         self.register_buffer("positions", (slots if positions is None else positions).clone(), persistent=False)
 
-    def forward(self, x, k_cache, v_cache, valid, allowed):
-        return self.step(x, self.slots, self.positions, k_cache, v_cache, valid, allowed, None, "per_row")
+    def forward(self, x, k_cache, v_cache, valid, allowed, cond=None):
+        return self.step(x, self.slots, self.positions, k_cache, v_cache, valid, allowed, None, "per_row", cond)
 
 
-ONNX_INPUTS = ("x", "k_cache", "v_cache", "valid", "allowed")
+ONNX_INPUTS = ("x", "k_cache", "v_cache", "valid", "allowed")  # and "cond" where the norms are adaptive
 ONNX_OUTPUTS = ("hidden", "k_rows", "v_rows")
+
+
+def onnx_input_names(engine: Engine) -> tuple[str, ...]:
+    return ONNX_INPUTS + (("cond",) if engine.stack.adaptive else ())
 
 
 def export_onnx_step(engine: Engine, slots: torch.Tensor, path: str | Path) -> Path:
     """``engine``'s static step for ``slots`` as an ONNX file (:class:`OnnxStep`; the example
-    inputs are copies of the engine's cache)."""
+    inputs are copies of the engine's cache; a decoder with adaptive norms takes ``cond`` last)."""
     from vla_accel_ros.core.backends import export_onnx
 
     if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in engine.stack.model.modules()):
         raise ConfigError("int8 and hybrid components do not export (their packed weights live in this process); use fp32 or bf16")
     args = tuple(a.clone() for i, a in enumerate(step_inputs(engine, slots)) if INPUTS[i] in ONNX_INPUTS)
-    return export_onnx(OnnxStep(engine, slots), args, path, input_names=ONNX_INPUTS, output_names=ONNX_OUTPUTS)
+    args += tuple(step_kwargs(engine).values())
+    return export_onnx(OnnxStep(engine, slots), args, path, input_names=onnx_input_names(engine), output_names=ONNX_OUTPUTS)
 
 
 def check_onnx_step(path: str | Path, engine: Engine, slots: torch.Tensor, seed: int = 0) -> float:
-    """max |graph - engine| of the final hidden states of ``slots`` on the same random rows and
-    cache state, the graph on ONNX Runtime (the engine then writes its own cache)."""
+    """max |graph - engine| of the final hidden states of ``slots`` on the same random rows,
+    condition and cache state, the graph on ONNX Runtime (the engine then writes its own cache)."""
     from vla_accel_ros.core.backends import require
     from vla_accel_ros.core.engine import StepPlan
 
     ort = require("onnxruntime")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, slots.numel(), engine.stack.hidden_size, generator=g).to(engine.dtype)
+    kwargs = step_kwargs(engine, torch.randn(1, engine.stack.cond_dim, generator=g).to(engine.dtype)) if engine.stack.adaptive else {}
     c = engine.cache
-    feeds = dict(zip(ONNX_INPUTS, (x, c.k, c.v, c.valid, c.allowed)))
+    feeds = dict(zip(onnx_input_names(engine), (x, c.k, c.v, c.valid, c.allowed, *kwargs.values())))
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = session.run(["hidden"], {k: v.detach().cpu().numpy() for k, v in feeds.items()})[0]
-    ref = engine.forward(x, StepPlan(slots=slots, positions=slots, output_slots=slots)).hidden
+    ref = engine.forward(x, StepPlan(slots=slots, positions=slots, output_slots=slots), **kwargs).hidden
     return float(np.abs(got - ref.float().numpy()).max())

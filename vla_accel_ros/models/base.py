@@ -218,6 +218,18 @@ class PolicyBase:
         """Make the KV cache ready for a prefix of this layout. :meth:`infer` does it itself;
         callers that drive the engines directly (the engine benchmark) call it first."""
 
+    def static_steps(self, layout: PrefixLayout) -> dict:
+        """The engines' static-shape steps (export): name -> (engine, slots)."""
+        raise NotImplementedError
+
+    def onnx_steps(self, layout: PrefixLayout) -> dict:
+        """The steps as ONNX graphs (``vla-accel export --onnx --steps``): name ->
+        :class:`~vla_accel_ros.core.export.OnnxGraph`; a family with a step outside its engines
+        adds it (SmolVLA's expert)."""
+        from vla_accel_ros.core.export import engine_onnx_graph
+
+        return {name: engine_onnx_graph(engine, slots) for name, (engine, slots) in self.static_steps(layout).items()}
+
     @property
     def num_layers(self) -> int:
         """Decoder layers of the prefix (what layer indices in a config are checked against)."""

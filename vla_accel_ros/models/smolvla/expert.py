@@ -97,6 +97,59 @@ class ExpertStep(nn.Module):
         return self.norm(x)
 
 
+class OnnxExpertStep(nn.Module):
+    """One pass of the expert as a functional graph for ONNX: the prefix's length fixed (a
+    constant), the attention inlined as standard ops.
+
+        (x [1, H, W], k_cache / v_cache [L, 1, Hkv, S, D], valid [L, S], cross_k / cross_v
+        [X, 1, Hkv, S, D]) -> hidden [1, H, W]
+
+    The prefix pass writes k_cache / v_cache; cross_k / cross_v are the cross-attention layers'
+    maps of them (once per prefix, :meth:`ExpertEngine._prepare`): a denoising step takes the
+    prefix K/V as inputs and writes nothing."""
+
+    def __init__(self, step: ExpertStep, length: int) -> None:
+        super().__init__()
+        self.step, self.length = step, length
+
+    def forward(self, x, k_cache, v_cache, valid, cross_k, cross_v):
+        return self.step(x, k_cache, v_cache, valid, cross_k, cross_v, self.length)
+
+
+ONNX_INPUTS = ("x", "k_cache", "v_cache", "valid", "cross_k", "cross_v")
+
+
+def expert_onnx_graph(engine: "ExpertEngine", length: int, rows: int):
+    """The expert's pass over a prefix of ``length`` slots for ``rows`` action tokens as an
+    :class:`~vla_accel_ros.core.export.OnnxGraph`, checked against the eager step on the same
+    random rows and the cache as it stands."""
+    from vla_accel_ros.core.backends import export_onnx, require
+    from vla_accel_ros.core.export import OnnxGraph
+
+    def inputs(seed: int = 0) -> tuple:
+        engine._prepare(length)
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(1, rows, engine.model.config.hidden_size, generator=g).to(engine.model.norm.weight.dtype)
+        c = engine.cache
+        return (x, c.k, c.v, c.valid, engine.cross_k, engine.cross_v)
+
+    def export(path):
+        inline = ExpertStep(engine.model, engine.steps, engine.step.cos, engine.step.sin, engine.step.bf16_attention_above)
+        return export_onnx(OnnxExpertStep(inline, length), tuple(a.clone() for a in inputs()), path,
+                           input_names=ONNX_INPUTS, output_names=("hidden",))  # fmt: skip
+
+    def check(path) -> float:
+        ort = require("onnxruntime")
+        args = inputs()
+        with torch.inference_mode():
+            ref = engine.step(*args, length)
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        got = session.run(["hidden"], {k: v.detach().cpu().numpy() for k, v in zip(ONNX_INPUTS, args)})[0]
+        return float(abs(got - ref.float().numpy()).max())
+
+    return OnnxGraph(rows, export, check)
+
+
 class ExpertEngine:
     """The expert's layers of ``steps`` over the prefix K/V of ``cache``."""
 

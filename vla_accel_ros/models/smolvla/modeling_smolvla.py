@@ -263,6 +263,14 @@ class SmolVLAPolicy(LeRobotPolicy):
     def static_steps(self, layout: PrefixLayout) -> dict:
         return {"prefill": (self.vlm_engine, layout.all_slots())}
 
+    def onnx_steps(self, layout: PrefixLayout) -> dict:
+        """The prefix pass and one pass of the expert over the prefix K/V (a denoising step
+        without its small heads), the expert being no engine step (it reads the cache's K/V and
+        its cross-attention maps of them)."""
+        from vla_accel_ros.models.smolvla.expert import expert_onnx_graph
+
+        return {**super().onnx_steps(layout), "expert": expert_onnx_graph(self.expert_engine, layout.length, self.suffix_len)}
+
     # -- training -----------------------------------------------------------------------------------
     def training_loss(
         self, pixels: torch.Tensor, states: torch.Tensor, instruction: str, actions: torch.Tensor, valid: torch.Tensor,
