@@ -14,7 +14,7 @@ import torch
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.parity import changed_observation, fixed_observation
 from vla_accel_ros.core.policy_config import PolicyConfig
-from vla_accel_ros.core.precision import PrecisionConfig
+from vla_accel_ros.core.precision import PrecisionConfig, preset
 from vla_accel_ros.models.factory import create_demo_bundle, load_policy, sibling_policy
 
 onnx = pytest.importorskip("onnx", reason="onnx is not installed (requirements.txt)")
@@ -130,6 +130,17 @@ def test_a_precision_the_runtime_does_not_run_falls_back_to_torch_and_says_so(sm
     assert policy.precision_notes
 
 
+def test_auto_on_a_runtime_without_bf16_runs_bf16_on_torch_not_fp32_on_the_runtime(tmp_path):
+    """pi0.5's ``auto`` puts the vision tower in bf16, which ONNX Runtime does not run: the same
+    precision on torch comes next, not the backend's fp32 fallback."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    path = create_demo_bundle("pi05", "tiny", tmp_path / "pi05")
+    policy = load_policy(path, PolicyConfig.from_dict({"parity_check": False, "precision": {**preset("auto"), "backend": "onnxruntime"}}))
+    assert policy.vision_graph is None
+    assert policy.precision.backend == "torch" and policy.precision.vision == "bf16" and policy.precision.lm == "bf16"
+    assert any("onnxruntime runs fp32, int8" in n for n in policy.precision_notes)
+
+
 def test_a_missing_runtime_is_a_clear_error_and_the_policy_falls_back(smolvla, monkeypatch):
     """A runtime that does not import: the error names the package to install; the policy runs
     the vision tower on torch, with or without the gate, and its notes say why."""
@@ -213,6 +224,11 @@ def test_export_onnx_writes_checked_graphs_that_a_policy_loads(smolvla, tmp_path
     (out / "vision.onnx").rename(out / "kept.onnx")
     policy = sibling_policy(base, cfg.replace(precision=cfg.precision.replace(vision="fp32")), converted={})
     assert policy.vision_graph is None and any("vision.onnx does not exist" in n for n in policy.precision_notes)
+    # Graphs of another vision tower (same shapes) are refused, with or without the gate.
+    other = create_demo_bundle("smolvla", "tiny", tmp_path / "other", cameras=("cam_high", "cam_left"), seed=1)
+    for check in (True, False):
+        policy = load_policy(other, cfg.replace(parity_check=check))
+        assert policy.vision_graph is None and any("exported from another vision tower" in n for n in policy.precision_notes)
 
 
 @pytest.mark.slow

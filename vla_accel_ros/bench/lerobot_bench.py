@@ -73,7 +73,7 @@ class LeRobotBenchConfig:
         kind = self.policy_type()
         if kind not in ("smolvla", "pi0", "pi05"):
             raise ConfigError(f"--lerobot {self.lerobot}: LeRobot policy type {kind!r}; bench lerobot runs smolvla, pi0 and pi05")
-        if kind in ("pi0", "pi05") and self.tokenizer is None and self.bundle is None:
+        if kind in ("pi0", "pi05") and self.tokenizer is None:  # LeRobot's side loads it, whatever --bundle says
             raise ConfigError(f"--tokenizer is required for a {kind} checkpoint: the PaliGemma tokenizer directory "
                               f"(LeRobot's {kind} loads it by hub name, which is offline here)")  # fmt: skip
         if self.tokenizer is not None and not self.tokenizer.is_dir():

@@ -31,16 +31,16 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     e.add_argument("--json", type=Path, help="also write the rows as JSON here")
     e.set_defaults(func=_engine)
     lr = command(
-        bsub, "lerobot", "LeRobot's own SmolVLA or pi0 vs ours on a bag's frames (same weights, noise, threads; interleaved)",
+        bsub, "lerobot", "LeRobot's own SmolVLA, pi0 or pi0.5 vs ours on a bag's frames (same weights, noise, threads)",
         "vla-accel bench lerobot --lerobot /tmp/smolvla-full/policy --python /tmp/lerobot-venv/bin/python "
         "--bag artifacts/bags/cube3 --threads 2 --modes baseline,cache+prune@auto --report artifacts/reports/lerobot",
         details="Runs LeRobot's policy in the Python given by --python (an environment with lerobot, e.g. "
         "../shared/tools/lerobot-reference/install_lerobot_venv.sh) and this package's modes on the same frames.",
     )  # fmt: skip
-    lr.add_argument("--lerobot", type=Path, required=True, metavar="DIR", help="LeRobot's saved SmolVLA or pi0 policy directory")
+    lr.add_argument("--lerobot", type=Path, required=True, metavar="DIR", help="LeRobot's saved SmolVLA, pi0 or pi05 policy directory")
     lr.add_argument("--vlm", type=Path, default=None, metavar="DIR", help="the SmolVLM directory (default: as the checkpoint names it)")
     lr.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
-                    help="pi0: PaliGemma's tokenizer directory (LeRobot's pi0 loads it by hub name)")
+                    help="pi0, pi05: PaliGemma's tokenizer directory (LeRobot loads it by hub name)")
     lr.add_argument("--python", type=Path, required=True, metavar="PY", help="a Python whose environment has lerobot")
     lr.add_argument("--bag", type=Path, required=True, help="rosbag2 bag with the bundle's cameras and joint states")
     lr.add_argument("--modes", default="baseline", help="our modes, as for replay (default %(default)s)")

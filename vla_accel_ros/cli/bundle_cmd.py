@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = command(
         bsub, "create-demo", "write a random-weight demo bundle", "vla-accel bundle create-demo --family flow --size small --out B_flow"
     )
-    c.add_argument("--family", choices=family_names(), required=True)
+    c.add_argument("--family", choices=family_names(can="demo"), required=True)
     c.add_argument("--size", choices=("tiny", "small"), default="tiny")
     c.add_argument("--out", required=True, help="bundle directory to write")
     c.add_argument("--seed", type=int, default=0)

@@ -77,7 +77,7 @@ def _onnx(args: argparse.Namespace) -> int:
     from vla_accel_ros.core.parity import changed_observation, fixed_observation
     from vla_accel_ros.core.policy_config import PolicyConfig
     from vla_accel_ros.models.factory import load_policy
-    from vla_accel_ros.models.graphs import VISION, camera_inputs, check_vision_runner, vision_example
+    from vla_accel_ros.models.graphs import VISION, camera_inputs, check_vision_runner, vision_example, vision_fingerprint
 
     if args.precision != "fp32":
         raise ConfigError(f"--precision {args.precision} with --onnx: the graphs are exported from the fp32 weights; "
@@ -117,7 +117,8 @@ def _onnx(args: argparse.Namespace) -> int:
     if args.steps:
         worst = max(worst, _onnx_steps(policy, obs, out, graphs))
     meta = {
-        "bundle": str(args.bundle), "family": spec.family, "graph": VISION, "input": {"shape": list(example.shape)},
+        "bundle": str(args.bundle), "family": spec.family, "graph": VISION, "vision_fingerprint": vision_fingerprint(model),
+        "input": {"shape": list(example.shape)},
         "output": {"shape": [1, spec.grid**2, int(policy.model.vis(example).shape[-1])]}, "graphs": graphs,
         "files": {f"{b}/{p}": graph_file(VISION, b, p) for b, p in wanted}, "calibration": str(args.calibrate or ""),
         "calibration_frames": len(calibration), "max_abs_fp32": worst,

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and writes an ordinary bundle (config.json + model.safetensors) to --out, with train_log.jsonl and a "
         "resumable checkpoint/ beside it.",
     )
-    p.add_argument("--family", choices=family_names(), required=True)
+    p.add_argument("--family", choices=family_names(can="train"), required=True)
     p.add_argument("--data", type=Path, nargs="+", required=True, metavar="BAG", help="rosbag2 bags with demonstrations")
     p.add_argument("--out", type=Path, required=True, help="bundle directory to write")
     p.add_argument("--size", choices=("tiny", "mini", "small"), default=d.size, help=f"model size (default {d.size})")

@@ -200,7 +200,8 @@ def build_policy(
     refused: list[str] = []  # by the gate
     passed_over: list[str] = []  # backends that could not run
     converted = {} if converted is None else converted
-    for precision in candidates:
+    while candidates:
+        precision = candidates.pop(0)
         run_model = model
         if precision.reduced:
             key = precision.weights_label()
@@ -219,9 +220,13 @@ def build_policy(
                 policy.vision_graph = _vision_graph(policy, model, precision, converted, gate_observations)
             except BackendUnavailable as e:
                 passed_over.append(f"{precision.label()}: {e}")
+                # The same precision on torch next, before the backend's less precise fallbacks
+                # (ONNX Runtime has no bf16: auto's bf16 vision then runs on torch, not fp32 on it).
+                same = precision.replace(backend="torch")
+                candidates = [same] + [c for c in candidates if c != same]
                 continue
         notes = [f"{p}; running {precision.label()} instead" for p in passed_over]
-        policy.precision_notes = notes
+        policy.precision_notes = list(notes)  # its own list: the gate's note below goes to both once
         if not config.parity_check:
             return policy
         if precision.gated_against_fp32:
@@ -238,10 +243,10 @@ def build_policy(
             policy.fp32_reference = fp32_ref
         report = run_parity(policy, tolerance=config.parity_tolerance, observations=gate_observations)
         if report.passed:
+            report.notes += notes
             if refused:
                 report.notes.append(f"precision {config.precision.label()}: the gate refused {'; '.join(refused)}, running {precision.label()}")
                 policy.precision_notes.append(report.notes[-1])
-            report.notes += notes
             policy.parity_report = report
             return policy
         refused.append(precision.label())
@@ -261,6 +266,7 @@ def _vision_graph(policy, model: nn.Module, precision, converted: dict, gate_obs
     if key not in converted:
         threads = torch.get_num_threads()
         if precision.graphs:
+            _check_graphs_source(Path(precision.graphs), model)
             path = Path(precision.graphs) / graph_file(VISION, precision.backend, precision.vision)
             converted[key] = load_runner(path, precision.backend, precision.vision, threads=threads,
                                          shape=vision_example(policy.spec).shape)  # fmt: skip
@@ -268,6 +274,26 @@ def _vision_graph(policy, model: nn.Module, precision, converted: dict, gate_obs
             calibration = [policy.frames(o).pixels for o in gate_frames(policy.spec, observations=gate_observations)]
             converted[key] = vision_runner(model, policy.spec, precision, threads=threads, calibration=calibration)
     return converted[key]
+
+
+def _check_graphs_source(graphs: Path, model: nn.Module) -> None:
+    """``precision.graphs`` must hold graphs of this model's vision tower (export.json's
+    fingerprint): the shapes of another bundle's graph can match, and without the gate
+    (``parity_check: false``) nothing else would notice."""
+    import json
+
+    from vla_accel_ros.core.backends import BackendUnavailable
+    from vla_accel_ros.models.graphs import vision_fingerprint
+
+    meta_file = graphs / "export.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BackendUnavailable(f"precision.graphs={graphs}: no readable export.json ({e}); write the graphs with "
+                                 "vla-accel export --onnx") from e  # fmt: skip
+    if meta.get("vision_fingerprint") != vision_fingerprint(model):
+        raise BackendUnavailable(f"precision.graphs={graphs}: exported from another vision tower (bundle "
+                                 f"{meta.get('bundle', '?')}); export this bundle's with vla-accel export --onnx")  # fmt: skip
 
 
 def sibling_policy(policy, config: PolicyConfig, **kwargs):

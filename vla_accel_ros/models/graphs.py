@@ -21,6 +21,19 @@ from vla_accel_ros.core.precision import PrecisionConfig
 VISION = "vision"  # the graph's name: vision.onnx, ... (core.backends.graph_file)
 
 
+def vision_fingerprint(model: nn.Module) -> str:
+    """Which vision tower a graph was exported from: a hash of every parameter's name, shape and
+    first 256 values (a sample: cheap at full size, and no two trained or random towers share
+    it), written into export.json and compared when a policy loads ``precision.graphs``."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.vis.state_dict().items()):
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(p.detach().flatten()[:256].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def vision_example(spec) -> torch.Tensor:
     """The vision graph's input: one camera's pixels [1, 3, S, S] in [-1, 1]."""
     return torch.zeros(1, 3, spec.image_size, spec.image_size)
