@@ -191,12 +191,7 @@ def _pi05(args, clock: _StageClock, marks: dict[str, float]):
 
     policy = PI05Policy.from_pretrained(args.policy).eval()
     pre, post = _processors(args.policy)
-    pg = policy.model.paligemma_with_expert.paligemma
-    clock.hook(pg.vision_tower, "vision")
-    clock.hook(pg.multi_modal_projector, "vision")
-    pg.multi_modal_projector.register_forward_hook(_mark(marks, "vision_end"))
-    # embed_suffix projects the noisy actions first thing in every denoising step
-    policy.model.action_in_proj.register_forward_pre_hook(_mark(marks, "denoise_start", first=True))
+    _hook_paligemma(policy, clock, marks)
     return policy, _chunk_runner(policy, pre, post, marks), "preprocessor, predict_action_chunk, postprocessor"
 
 
@@ -221,17 +216,22 @@ def _offline_hub_cache(repo_id: str, tokenizer_dir: Path) -> None:
     os.environ.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 
+def _hook_paligemma(policy, clock: _StageClock, marks: dict[str, float]) -> None:
+    """Stage clocks on pi0's and pi0.5's PaliGemma: its tower and projector are the vision stage;
+    embed_suffix projects the noisy actions first thing in every denoising step."""
+    pg = policy.model.paligemma_with_expert.paligemma
+    clock.hook(pg.vision_tower, "vision")
+    clock.hook(pg.multi_modal_projector, "vision")
+    pg.multi_modal_projector.register_forward_hook(_mark(marks, "vision_end"))
+    policy.model.action_in_proj.register_forward_pre_hook(_mark(marks, "denoise_start", first=True))
+
+
 def _pi0(args, clock: _StageClock, marks: dict[str, float]):
     import torch
     from lerobot.policies.pi0.modeling_pi0 import PI0Policy
 
     policy = PI0Policy.from_pretrained(args.policy).eval()
-    pg = policy.model.paligemma_with_expert.paligemma
-    clock.hook(pg.vision_tower, "vision")
-    clock.hook(pg.multi_modal_projector, "vision")
-    pg.multi_modal_projector.register_forward_hook(_mark(marks, "vision_end"))
-    # embed_suffix projects the noisy actions first thing in every denoising step
-    policy.model.action_in_proj.register_forward_pre_hook(_mark(marks, "denoise_start", first=True))
+    _hook_paligemma(policy, clock, marks)
 
     @torch.no_grad()
     def run(tensors, noise, task):

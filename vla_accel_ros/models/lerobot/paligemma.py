@@ -23,7 +23,7 @@ import torch
 
 from vla_accel_ros.core.config import param
 from vla_accel_ros.core.errors import BundleError, ConfigError
-from vla_accel_ros.models.lerobot.reader import ImportOptions
+from vla_accel_ros.models.lerobot.reader import ImportOptions, renamed
 
 TOKENIZER_ID = "google/paligemma-3b-pt-224"  # what LeRobot's pi0 and pi05 load by name
 SIGLIP_HEADS = {1152: 16}  # SigLIP So400m (PaliGemma's tower): width -> heads
@@ -75,12 +75,10 @@ def map_weights(
         if key == _PG + "lm_head.weight":  # tied: the token embedding
             weights.setdefault("vlm.embed_tokens.weight", value.float().contiguous())
             continue
-        for src, dst in key_map:
-            if key.startswith(src):
-                weights[dst + key[len(src):]] = value.float().contiguous()
-                break
-        else:
+        ours = renamed(key, key_map)
+        if ours is None:
             raise BundleError(f"model.safetensors: unexpected weight {key} for a LeRobot {what} checkpoint")
+        weights[ours] = value.float().contiguous()
     return weights, stats
 
 

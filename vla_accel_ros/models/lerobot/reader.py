@@ -69,6 +69,15 @@ def flag(option: str) -> str:
     return _FLAGS.get(option, "--" + option.replace("_", "-"))
 
 
+def renamed(key: str, key_map) -> str | None:
+    """``key`` with the first matching prefix of ``key_map`` ((source, destination) pairs)
+    replaced; None when no prefix matches (the caller says which checkpoint had no place for it)."""
+    for src, dst in key_map:
+        if key.startswith(src):
+            return dst + key[len(src):]
+    return None
+
+
 def read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())

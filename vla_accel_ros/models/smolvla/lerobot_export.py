@@ -33,7 +33,7 @@ import torch
 
 from vla_accel_ros.core.bundle import CONFIG_FILE, TOKENIZER_DIR, WEIGHTS_FILE
 from vla_accel_ros.core.errors import BundleError, ConfigError
-from vla_accel_ros.models.lerobot.reader import IMAGE_KEY, POSTPROCESSOR, PREPROCESSOR
+from vla_accel_ros.models.lerobot.reader import IMAGE_KEY, POSTPROCESSOR, PREPROCESSOR, renamed
 from vla_accel_ros.models.smolvla.lerobot_import import _KEY_MAP as IMPORT_KEY_MAP
 
 # Ours -> LeRobot's module names: the import's map, the other way round.
@@ -45,12 +45,10 @@ POST_STATS = "policy_postprocessor_step_0_unnormalizer_processor.safetensors"
 def lerobot_weights(state: dict[str, torch.Tensor], vocab: int, hidden: int) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in state.items():
-        for src, dst in _KEY_MAP:
-            if key.startswith(src):
-                out[dst + key[len(src):]] = value.float().contiguous()
-                break
-        else:
+        theirs = renamed(key, _KEY_MAP)
+        if theirs is None:
             raise BundleError(f"weight {key} has no place in LeRobot's SmolVLA")
+        out[theirs] = value.float().contiguous()
     out["model.vlm_with_expert.vlm.lm_head.weight"] = torch.zeros(vocab, hidden)
     return out
 

@@ -26,7 +26,7 @@ import torch
 
 from vla_accel_ros.core.bundle import CONFIG_FILE, WEIGHTS_FILE, BundleSpec
 from vla_accel_ros.core.errors import BundleError, ConfigError
-from vla_accel_ros.models.lerobot.reader import Checkpoint, read_json
+from vla_accel_ros.models.lerobot.reader import Checkpoint, read_json, renamed
 from vla_accel_ros.models.smolvla.configuration_smolvla import SmolVLAOptions
 
 # LeRobot's module names -> ours (the first prefix that matches).
@@ -83,11 +83,8 @@ def _map_weights(state: dict[str, torch.Tensor], vlm_layers: int) -> dict[str, t
     for key, value in state.items():
         if key.startswith(_UNUSED):
             continue
-        for src, dst in _KEY_MAP:
-            if key.startswith(src):
-                new = dst + key[len(src):]
-                break
-        else:
+        new = renamed(key, _KEY_MAP)
+        if new is None:
             raise BundleError(f"model.safetensors: unexpected weight {key} for a SmolVLA checkpoint")
         if new.startswith("vlm.layers."):
             if int(new.split(".")[2]) >= vlm_layers:
