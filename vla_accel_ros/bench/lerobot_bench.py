@@ -199,8 +199,9 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
             frames.append(sample.observation)
             if len(frames) >= cfg.warmup + cfg.max_frames:
                 break
-    if len(frames) <= cfg.warmup:
-        raise BagError(f"bag {cfg.bag} yields {len(frames)} observation(s) for cameras {', '.join(spec.cameras)}; need > --warmup {cfg.warmup}")
+    if len(frames) <= cfg.warmup or len(frames) < 2:  # the start-up gate reads the first two
+        raise BagError(f"bag {cfg.bag} yields {len(frames)} observation(s) for cameras {', '.join(spec.cameras)}; need > --warmup "
+                       f"{cfg.warmup} and at least 2 (the gate's frames): raise --max-frames or record more")  # fmt: skip
     if any(f.state is None for f in frames):
         raise BagError(f"bag {cfg.bag}: observations without a joint state; {spec.family} needs one")
     rcfg = ReplayConfig(
