@@ -65,6 +65,7 @@ LATENCY_MODELS = ("zero", "measured")
 # the episodes of a run of 100000..). The key is the default first seed, the noise every run
 # from the default start has always drawn.
 NOISE_KEY = 100_000
+GATE_TICKS = 30  # the parity gate's second frame: this many control ticks after the first
 
 
 @dataclass
@@ -475,6 +476,14 @@ class Demo:
     actions: np.ndarray  # [T, D] the expert's actions
 
 
+def gate_frames_from_sim(robot: SimRobot, task: str, seed: int) -> tuple[Any, Any] | None:
+    """The parity gate's two frames from the task itself: the scene of ``seed`` and the scripted
+    expert's frame about GATE_TICKS later (synthetic frames understate what pruning does to a
+    trained policy); None when the sim delivered fewer than two."""
+    frames = record_demos(robot, task, [seed], 2 * GATE_TICKS + 1, GATE_TICKS)[0].frames
+    return (frames[0][1], frames[1][1]) if len(frames) >= 2 else None
+
+
 def record_demos(robot: SimRobot, task: str, seeds: list[int], steps: int, stride: int) -> list[Demo]:
     """The scripted expert on ``seeds``, rendering every ``stride``-th step only."""
     demos = []
@@ -563,12 +572,13 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
     if tuple(spec.joint_names) != tuple(graph.robot.joint_names):
         raise ConfigError(f"bundle {spec.name} joints {list(spec.joint_names)} differ from robot.joint_names")
     robot = SimRobot(cfg.task, tuple(spec.cameras), graph.robot, graph.sync(spec.frame_size), cfg.height, cfg.width)
-    runs = build_runs(bundle, [n for n in names if n != LEROBOT], cfg)
+    seeds = [cfg.seed + i for i in range(cfg.episodes)]
+    gate = gate_frames_from_sim(robot, cfg.task, seeds[0])
+    runs = build_runs(bundle, [n for n in names if n != LEROBOT], cfg, gate_observations=gate)
     if LEROBOT in names:
         from vla_accel_ros.bench.lerobot_eval import lerobot_run
 
         runs.insert(names.index(LEROBOT), lerobot_run(cfg.bundle, spec, cfg.lerobot, cfg.lerobot_python, cfg.num_threads))
-    seeds = [cfg.seed + i for i in range(cfg.episodes)]
     lo, hi = (graph.safety.lower, graph.safety.upper) if graph.safety.lower else default_limits(graph.robot)
     demos = record_demos(robot, cfg.task, seeds[: cfg.open_loop_episodes], cfg.steps, cfg.open_loop_stride)
     modes: dict[str, Any] = {}

@@ -15,7 +15,7 @@ import numpy as np
 
 from vla_accel_ros.bench.cache_bench import PRESETS
 from vla_accel_ros.bench.flops import FrameWork, work_from_stats
-from vla_accel_ros.core.errors import ConfigError
+from vla_accel_ros.core.errors import ConfigError, ParityError
 from vla_accel_ros.models.family import get_family
 
 
@@ -261,8 +261,11 @@ def build_runs(bundle, names: list[str], cfg, gate_observations=None) -> list[Mo
     converted: dict = {}  # per precision one converted copy of the weights; exported graphs; the gate's fp32 reference
     runs = []
     for n in names:
-        gate = gate_observations if configs[n].precision.gated_against_fp32 else None
-        policy = base if n == BASELINE else sibling_policy(base, configs[n], converted=converted, gate_observations=gate)
+        try:
+            policy = base if n == BASELINE else sibling_policy(base, configs[n], converted=converted,
+                                                               gate_observations=gate_observations)  # fmt: skip
+        except ParityError as e:
+            raise ParityError(f"mode {n}: {e}") from e
         run = ModeRun(n, modes[n], policy, configs[n].to_dict())
         if modes[n].pipelined:
             from vla_accel_ros.models.pipeline import PipelinedAr

@@ -10,7 +10,9 @@ Exact checks (float32, ``tolerance``):
   normalized action units (ar: also the decoded tokens must be identical);
 * ``actions_reuse``: the same observation a second time through the policy's planner: with
   identical frames every reusable token is reused, which must still equal the reference.
-  (Pruning is approximate on every frame: with it these two are checked at ``accel_tolerance``.)
+  (Pruning is approximate on every frame: with it these two are checked at ``accel_tolerance``,
+  and on a flow policy the first one also against the policy's sampling spread on that frame,
+  ``parity_tolerance_prune``: pruning may move a chunk no further than new noise does.)
 
 Accelerated check (any planner but the full recompute, ``accel_tolerance`` in units of the
 action std): frame A, then frame B = A with a block of patches changed (a moving object),
@@ -100,6 +102,8 @@ def changed_observation(obs: Observation, spec) -> Observation:
     return Observation(images=images, instruction=obs.instruction, stamp_ns=obs.stamp_ns + 20_000_000, state=state,
                        episode=obs.episode)  # fmt: skip
 
+
+_SPREAD_SEED = 4321  # the other noise of the pruning check's sampling spread
 
 PARITY_STEPS = ("prefix_hidden", "actions", "actions_reuse", "accelerated")
 
@@ -206,11 +210,36 @@ def run_parity(
             mismatched = sum(a != b for a, b in zip(got.stats["action_tokens"], ref.stats["action_tokens"]))
             report.check(f"{name}_token_mismatches", float(mismatched), tolerance=0.0)
         step(name)
+    if cfg.uses_prune and noise is not None:  # after both: it overwrites the cached prefix
+        _check_prune_spread(policy, obs, noise, report.metrics["actions_mean_abs_norm"], report)
     if cfg.accel != "none":
         _accelerated_check(policy, obs, second, noise, ref2, report, accel_tolerance)
     step("accelerated")
     policy.reset()
     return report
+
+
+def _check_prune_spread(policy, obs: Observation, noise: np.ndarray, pruned: float, report: ParityReport) -> None:
+    """A flow policy's pruned first frame (nothing reused yet: pruning alone) against the
+    policy's own sampling spread on that frame. A bound in action std cannot tell a trained
+    policy from a random one: on two trained policies here pruning moved the first chunk 2-4x
+    further than new noise does (real frames) and lost the task in closed loop at every setting
+    tried, while passing the absolute bound; on random weights the spread is wide."""
+    other = np.random.default_rng(_SPREAD_SEED).standard_normal(noise.shape).astype(np.float32)
+    planner = policy.planner
+    policy.planner = FullRecompute()
+    try:
+        a, b = (_normalized(policy, policy.infer(obs, noise=n).actions) for n in (noise, other))
+    finally:
+        policy.planner = planner
+        planner.reset("external prefix write")
+    spread = float(np.abs(a - b).mean())
+    report.metrics["sampling_spread_mean_abs_norm"] = spread
+    ratio = pruned / spread if spread > 0 else float("inf")
+    report.check("prune_over_sampling_spread", ratio, tolerance=policy.config.parity_tolerance_prune)
+    if not report.passed and "prune_over_sampling_spread" in report.failures[-1]:
+        report.notes.append(f"pruning moves the first chunk {ratio:.2g}x as far as new noise does: keep more tokens "
+                            "(prune.keep_*, prune.min_keep) or do not prune this policy")  # fmt: skip
 
 
 def _precision_only(policy, second: Observation, noise, ref: ActionChunk, report: ParityReport) -> None:

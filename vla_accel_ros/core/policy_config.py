@@ -34,6 +34,13 @@ class PolicyConfig(Config):
         "reuse after a change, pruning)",
         range=(0.0, 100.0),
     )
+    parity_tolerance_prune: float = param(
+        1.0,
+        doc="flow, pruning: mean |pruned - full recompute| on the gate's first frame, in units of the policy's own "
+        "sampling spread there (mean |full recompute with the gate's noise - with other noise|): pruning may move a "
+        "chunk no further than drawing new noise does",
+        range=(0.0, 100.0),
+    )
     action_draft: str = param(
         "off",
         doc="ar, sequential decode: the previous chunk's action tokens ride along in the prefill as a draft, "

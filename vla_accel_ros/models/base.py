@@ -257,7 +257,7 @@ class PolicyBase:
         Call it between two inferences (never concurrently with :meth:`infer`)."""
         self.check_config(config)
         changed = changed_fields(self.config, config)
-        replan = any(k.split(".")[0] not in _NOT_PLANNER for k in changed) or "parity_tolerance_accel" in changed
+        replan = any(k.split(".")[0] not in _NOT_PLANNER for k in changed) or any(k.startswith("parity_tolerance_") for k in changed)
         planner = make_planner(config) if replan else self.planner  # may raise: nothing changed yet
         old = (self.config, self.planner)
         self.config, self.planner = config, planner
@@ -406,7 +406,7 @@ class PolicyBase:
 
     def context(self, obs: Observation, layout: PrefixLayout, frames: Frames) -> PrefixContext:
         return PrefixContext(
-            layout=layout, frames=frames.raw, instruction=obs.instruction, episode=obs.episode, stamp_ns=obs.stamp_ns,
+            layout=layout, images=frames, instruction=obs.instruction, episode=obs.episode, stamp_ns=obs.stamp_ns,
             source=self.source, motion_mode=self.motion_mode,
         )
 
