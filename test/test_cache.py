@@ -278,7 +278,7 @@ def _ctx(layout, seed=0, **kw):
     n = layout.image_size
     frames = torch.stack([torch.from_numpy(_image(seed + i)[:n, :n].copy()) for i in range(len(layout.cameras))])
     return PrefixContext(
-        layout=layout, frames=frames, instruction=kw.get("instruction", "x"), episode=0, stamp_ns=0, source="s"
+        layout=layout, images=frames, instruction=kw.get("instruction", "x"), episode=0, stamp_ns=0, source="s"
     )
 
 
@@ -484,14 +484,14 @@ def test_a_token_of_several_patches_is_static_only_when_each_of_them_is():
     frame = torch.from_numpy(_image(0)[:112, :112].copy())[None]
     changed = frame.clone()
     changed[0, 0:14, 0:14] = 255 - changed[0, 0:14, 0:14]  # one 14 px patch of token 0
-    ctx = lambda f: PrefixContext(layout=lay, frames=f, instruction="x", episode=0, stamp_ns=0, source="s")  # noqa: E731
+    ctx = lambda f: PrefixContext(layout=lay, images=f, instruction="x", episode=0, stamp_ns=0, source="s")  # noqa: E731
     cfg = CacheConfig(**MAX_REUSE, sim_threshold=0.97, max_relative_change=0.5)
     whole = patchify(changed, 56), patchify(frame, 56)
     assert float(cosine(whole[0], patch_norms(whole[0]), whole[1], patch_norms(whole[1]))[0, 0]) > 0.97
     for static_patch, token0_static in ((0, True), (14, False)):
         planner = TokenCachePlanner(cfg)
         sub = dataclasses.replace(lay, static_patch=static_patch)
-        ctx = lambda f, sub=sub: PrefixContext(layout=sub, frames=f, instruction="x", episode=0, stamp_ns=0, source="s")  # noqa: E731
+        ctx = lambda f, sub=sub: PrefixContext(layout=sub, images=f, instruction="x", episode=0, stamp_ns=0, source="s")  # noqa: E731
         _step(planner, ctx(frame))
         _step(planner, ctx(changed))
         assert bool(planner.last.static[0, 0]) is token0_static and bool(planner.last.static[0, 1:].all())

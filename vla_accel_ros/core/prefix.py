@@ -99,7 +99,9 @@ class PrefixContext:
     """What a planner may look at for one observation."""
 
     layout: PrefixLayout
-    frames: torch.Tensor  # [C, S, S, 3] uint8 at the model's resolution
+    # The frames [C, S, S, 3] uint8 at the model's resolution, or an object whose ``raw`` is
+    # them, made on first read: the full recompute never looks (see :attr:`frames`).
+    images: Any
     instruction: str
     episode: int
     stamp_ns: int
@@ -109,6 +111,10 @@ class PrefixContext:
     # The arm's motion mode from the controller (coarse | fine; Policy.set_motion_mode), for
     # planners that prune by it; the others ignore it.
     motion_mode: str = "coarse"
+
+    @property
+    def frames(self) -> torch.Tensor:
+        return self.images if isinstance(self.images, torch.Tensor) else self.images.raw
 
 
 class PrefixPlanner(Protocol):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -210,17 +209,29 @@ def format_instruction(template: str, instruction: str) -> str:
     return template.replace("{instruction}", instruction.strip().rstrip(".?!").lower())
 
 
-@dataclass
 class Frames:
     """Preprocessed camera frames of one observation.
 
-    raw:    [C, S, S, 3] uint8 at the model's resolution, what the token cache compares.
     pixels: [C, 3, S, S] float32 normalized for the vision tower.
+    raw:    [C, S, S, 3] uint8 at the model's resolution, what the token methods compare: given,
+            or made on first use from ``unit`` ([C, 3, S, S] in [0, 1]), since the full
+            recompute never reads it (a quarter of the preprocessing of three 512 px cameras).
     """
 
-    cameras: tuple[str, ...]
-    raw: torch.Tensor
-    pixels: torch.Tensor
+    __slots__ = ("cameras", "pixels", "_raw", "_unit")
+
+    def __init__(self, cameras: tuple[str, ...], pixels: torch.Tensor, raw: torch.Tensor | None = None,
+                 unit: torch.Tensor | None = None) -> None:  # fmt: skip
+        if (raw is None) == (unit is None):
+            raise ValueError("Frames takes raw or unit, one of them")
+        self.cameras, self.pixels, self._raw, self._unit = cameras, pixels, raw, unit
+
+    @property
+    def raw(self) -> torch.Tensor:
+        if self._raw is None:
+            self._raw = (self._unit * 255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+            self._unit = None
+        return self._raw
 
 
 def resize_uint8(image: np.ndarray, size: int) -> torch.Tensor:
@@ -234,7 +245,7 @@ def preprocess_frames(images: Mapping[str, np.ndarray], cameras: tuple[str, ...]
     if missing:
         raise ObservationError(f"observation lacks camera(s) {', '.join(missing)}; has {', '.join(images) or 'none'}")
     raw = torch.stack([resize_uint8(images[c], size) for c in cameras])  # [C, S, S, 3]
-    return Frames(cameras=cameras, raw=raw, pixels=siglip_pixels(raw))
+    return Frames(cameras, pixels=siglip_pixels(raw), raw=raw)
 
 
 def siglip_pixels(raw: torch.Tensor) -> torch.Tensor:

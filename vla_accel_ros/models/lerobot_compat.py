@@ -123,9 +123,14 @@ def padded_frames(images, cameras: tuple[str, ...], size: int):
     missing = [c for c in cameras if c not in images]
     if missing:
         raise ObservationError(f"observation lacks camera(s) {', '.join(missing)}; has {', '.join(images) or 'none'}")
-    padded = torch.cat([resize_with_pad(frame_tensor(images[c], c)[None], size) for c in cameras])  # [C, 3, S, S]
-    raw = (padded * 255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
-    return Frames(cameras=cameras, raw=raw, pixels=padded * 2.0 - 1.0)
+    arrays = [np.asarray(images[c]) for c in cameras]
+    if all(a.dtype == np.uint8 and a.ndim == 3 and a.shape == arrays[0].shape for a in arrays) and arrays[0].shape[2] == 3:
+        # One resize for cameras of one size (the same values: bilinear works per image), from
+        # the stacked bytes (channels-last strides, the interpolation's fast path).
+        unit = resize_with_pad(torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float().div_(255.0), size)
+    else:
+        unit = torch.cat([resize_with_pad(frame_tensor(a, c)[None], size) for a, c in zip(arrays, cameras)])
+    return Frames(cameras, pixels=unit * 2.0 - 1.0, unit=unit)  # [C, 3, S, S]
 
 
 class LeRobotFamily(FlowFamilyBase):

@@ -83,8 +83,7 @@ def centred_padded_frames(images, cameras: tuple[str, ...], size: int) -> Frames
         ph, pw = size - rh, size - rw
         out.append(F.pad(img, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2), value=-1.0))
     padded = torch.cat(out)  # [C, 3, S, S]
-    raw = (padded * 255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
-    return Frames(cameras=cameras, raw=raw, pixels=padded * 2.0 - 1.0)
+    return Frames(cameras, pixels=padded * 2.0 - 1.0, unit=padded)
 
 
 class Pi05Model(PaliGemmaModel):
