@@ -393,3 +393,19 @@ def test_lerobot_loads_an_exported_checkpoint_and_computes_our_actions(imported,
     assert main(argv) == 0
     rep = json.loads((report / "report.json").read_text())
     assert rep["modes"]["baseline"]["deviation_vs_lerobot"]["max_over_std"] < 1e-4
+
+
+def test_cameras_of_one_size_are_resized_in_one_call_to_the_same_values():
+    """padded_frames resizes same-size uint8 cameras as one batch and makes the uint8 frames on
+    first read; both equal the per-camera path (LeRobot's, which the fixtures check)."""
+    from vla_accel_ros.models.lerobot_compat import frame_tensor, padded_frames, resize_with_pad
+
+    rng = np.random.default_rng(3)
+    images = {c: rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for c in ("a", "b", "c")}
+    got = padded_frames(images, ("a", "b", "c"), 40)
+    one = torch.cat([resize_with_pad(frame_tensor(images[c], c)[None], 40) for c in ("a", "b", "c")])
+    assert torch.equal(got.pixels, one * 2.0 - 1.0)
+    assert torch.equal(got.raw, (one * 255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous())
+    images["c"] = rng.integers(0, 256, (40, 80, 3), dtype=np.uint8)  # another size: one call per camera
+    mixed = padded_frames(images, ("a", "b", "c"), 40)
+    assert torch.equal(mixed.pixels[:2], got.pixels[:2]) and mixed.raw.shape == (3, 40, 40, 3)
