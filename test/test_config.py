@@ -60,3 +60,20 @@ def test_unknown_fields_and_replace():
     assert [s.name for s in Outer.specs()][:2] == ["threshold", "count"]
     assert Outer.specs()[0].range == (0.0, 1.0)
 
+
+
+def test_freed_blocks_stay_in_the_process_when_asked():
+    """policy.malloc_keep_mb raises glibc's mmap and trim thresholds (a freed block then stays
+    in the heap: no page faults at the next inference), 0 leaves the allocator alone; the
+    setting is process-wide, so a built policy cannot change it."""
+    import platform
+
+    from vla_accel_ros.core.memory import keep_freed_memory
+    from vla_accel_ros.core.policy_config import PolicyConfig
+    from vla_accel_ros.models.base import _FIXED
+
+    assert keep_freed_memory(0) is False
+    assert keep_freed_memory(PolicyConfig().malloc_keep_mb) is (platform.libc_ver()[0] == "glibc")
+    assert "malloc_keep_mb" in _FIXED
+    with pytest.raises(ConfigError, match="malloc_keep_mb"):
+        PolicyConfig(malloc_keep_mb=-1)

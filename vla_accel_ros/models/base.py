@@ -22,6 +22,7 @@ from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.compiled import build_engine
 from vla_accel_ros.core.engine import DecoderStack, Engine, StepPlan
 from vla_accel_ros.core.kv_cache import KVCache
+from vla_accel_ros.core.memory import keep_freed_memory
 from vla_accel_ros.core.precision import COMPONENTS, PrecisionConfig
 from vla_accel_ros.core.prefix import FullRecompute, PrefixContext, PrefixLayout, PrefixPlan, PrefixPlanner
 from vla_accel_ros.core.robot.motion import MODE_NAMES
@@ -120,7 +121,7 @@ _INSTANCES = itertools.count()
 # PolicyConfig fields fixed when the policy is built: the parity gate ran, torch's thread count
 # is process-wide, the noise generator was seeded, the weights were converted and the engines
 # built for a precision and compile switch.
-_FIXED = ("parity_check", "num_threads", "seed", *(f"precision.{c}" for c in (*COMPONENTS, "compile", "backend")))
+_FIXED = ("parity_check", "num_threads", "malloc_keep_mb", "seed", *(f"precision.{c}" for c in (*COMPONENTS, "compile", "backend")))
 # Fields that do not change how the prefix is planned: changing them keeps the planner's caches.
 _NOT_PLANNER = {"flow_steps", "parity_tolerance", "precision", "memo", "action_draft", *_FIXED}
 MOTION_MODES = tuple(MODE_NAMES.values())
@@ -161,6 +162,7 @@ class PolicyBase:
         )
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        keep_freed_memory(config.malloc_keep_mb)
 
     # -- subclass hooks ---------------------------------------------------------------------
     noise_shape: tuple[int, ...] | None = None  # of the noise ``infer`` takes (None: it samples none)
