@@ -301,3 +301,20 @@ def test_an_episodes_noise_depends_on_its_seed_not_on_where_the_run_started(tiny
     assert long_run and len(long_run) == len(alone)
     assert all(np.array_equal(a, b) for a, b in zip(long_run, alone))
     assert not np.array_equal(long_run[0], other[0])  # and seeds differ from one another
+
+
+def test_a_mode_the_gate_refuses_is_reported_and_the_others_run(tmp_path):
+    """The gate runs on the task's own frames; pruning moves the shipped trained flow policy
+    further than new noise does (it lost the task in closed loop), so the prune mode is refused
+    by name, and the baseline still runs."""
+    pytest.importorskip("gym_aloha")
+    from vla_accel_ros.bench import eval as ev
+    from vla_accel_ros.bench.eval_report import headline_text
+    from vla_accel_ros.core.bundle import shipped_bundle
+
+    cfg = ev.EvalConfig(bundle=shipped_bundle("transfer_cube-flow"), episodes=1, steps=12, modes=("baseline", "prune"),
+                        num_threads=1, open_loop_episodes=0)  # fmt: skip
+    result = ev.run_eval(cfg, progress=False)
+    assert result["mode_order"] == ["baseline"] and list(result["modes"]) == ["baseline"]
+    assert "prune_over_sampling_spread" in result["refused"]["prune"]
+    assert "prune: refused by the parity gate, not run (prune_over_sampling_spread=" in headline_text(result)

@@ -573,8 +573,10 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
         raise ConfigError(f"bundle {spec.name} joints {list(spec.joint_names)} differ from robot.joint_names")
     robot = SimRobot(cfg.task, tuple(spec.cameras), graph.robot, graph.sync(spec.frame_size), cfg.height, cfg.width)
     seeds = [cfg.seed + i for i in range(cfg.episodes)]
-    gate = gate_frames_from_sim(robot, cfg.task, seeds[0])
-    runs = build_runs(bundle, [n for n in names if n != LEROBOT], cfg, gate_observations=gate)
+    gate = gate_frames_from_sim(robot, cfg.task, seeds[0]) if cfg.parity_check else None
+    refused: dict[str, str] = {}  # modes the gate refuses: reported, the others still run
+    runs = build_runs(bundle, [n for n in names if n != LEROBOT], cfg, gate_observations=gate, refused=refused)
+    names = [n for n in names if n not in refused]
     if LEROBOT in names:
         from vla_accel_ros.bench.lerobot_eval import lerobot_run
 
@@ -621,6 +623,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
         "latency_model": cfg.latency,
         "scheduler": graph.scheduler.to_dict(),
         "mode_order": names,
+        "refused": refused,
         "seconds": round(time.perf_counter() - t0, 1),
         "machine": machine_info(),
         "modes": modes,

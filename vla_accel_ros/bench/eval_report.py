@@ -156,10 +156,20 @@ def title(result: dict[str, Any]) -> str:
     )
 
 
+def refused_lines(result: dict[str, Any]) -> list[str]:
+    """One line per mode the parity gate refused to start (not run): its failed checks."""
+    out = []
+    for name, why in result.get("refused", {}).items():
+        fail = next((line.split("FAIL: ", 1)[1] for line in why.splitlines() if "FAIL: " in line), why.splitlines()[0])
+        out.append(f"{name}: refused by the parity gate, not run ({fail})")
+    return out
+
+
 def headline_text(result: dict[str, Any]) -> str:
     text = title(result) + "\n" + _text_table(HEADER, rows(result))
     ros = ros_rows(result)
-    return text + ("\n" + _text_table(ROS_HEADER, ros) if ros else "")
+    text += "\n" + _text_table(ROS_HEADER, ros) if ros else ""
+    return "\n".join([text, *refused_lines(result)])
 
 
 def markdown(result: dict[str, Any], plots: list[str]) -> str:
@@ -172,6 +182,8 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         "",
         _md_table(HEADER, rows(result)),
         "",
+        *[f"- {line}" for line in refused_lines(result)],
+        *([""] if result.get("refused") else []),
         "Success: the task's reward reached its maximum (4) during the episode; 95% CI is the Wilson score "
         "interval. Latency: observation in to actions out (ActionChunk timings), selection included. Open-loop "
         "error: mean |chunk - scripted expert| along held-out expert demonstrations (arm joints in rad, grippers "

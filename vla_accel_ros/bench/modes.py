@@ -242,10 +242,11 @@ def policy_config(mode: Mode, cfg):
     return PolicyConfig.from_dict(fields)
 
 
-def build_runs(bundle, names: list[str], cfg, gate_observations=None) -> list[ModeRun]:
+def build_runs(bundle, names: list[str], cfg, gate_observations=None, refused: dict[str, str] | None = None) -> list[ModeRun]:
     """One policy per mode sharing one model's weights (one converted copy per precision); each
     engine mode passes the parity gate (with ``cfg.parity_check``; on ``gate_observations``,
-    two frames, when given) before it is timed."""
+    two frames, when given) before it is timed. A mode the gate refuses raises, or with
+    ``refused`` (a dict) is left out and its report kept there by name."""
     from vla_accel_ros.models.factory import load_policy, sibling_policy
 
     modes = {n: mode_of(n) for n in names}
@@ -265,7 +266,10 @@ def build_runs(bundle, names: list[str], cfg, gate_observations=None) -> list[Mo
             policy = base if n == BASELINE else sibling_policy(base, configs[n], converted=converted,
                                                                gate_observations=gate_observations)  # fmt: skip
         except ParityError as e:
-            raise ParityError(f"mode {n}: {e}") from e
+            if refused is None:
+                raise ParityError(f"mode {n}: {e}") from e
+            refused[n] = str(e)
+            continue
         run = ModeRun(n, modes[n], policy, configs[n].to_dict())
         if modes[n].pipelined:
             from vla_accel_ros.models.pipeline import PipelinedAr

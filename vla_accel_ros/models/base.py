@@ -22,7 +22,6 @@ from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.compiled import build_engine
 from vla_accel_ros.core.engine import DecoderStack, Engine, StepPlan
 from vla_accel_ros.core.kv_cache import KVCache
-from vla_accel_ros.core.memory import keep_freed_memory
 from vla_accel_ros.core.precision import COMPONENTS, PrecisionConfig
 from vla_accel_ros.core.prefix import FullRecompute, PrefixContext, PrefixLayout, PrefixPlan, PrefixPlanner
 from vla_accel_ros.core.robot.motion import MODE_NAMES
@@ -162,7 +161,6 @@ class PolicyBase:
         )
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        keep_freed_memory(config.malloc_keep_mb)
 
     # -- subclass hooks ---------------------------------------------------------------------
     noise_shape: tuple[int, ...] | None = None  # of the noise ``infer`` takes (None: it samples none)

@@ -228,9 +228,8 @@ class Frames:
 
     @property
     def raw(self) -> torch.Tensor:
-        if self._raw is None:
+        if self._raw is None:  # two first reads at once compute it twice, the same
             self._raw = (self._unit * 255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
-            self._unit = None
         return self._raw
 
 

@@ -124,7 +124,7 @@ def padded_frames(images, cameras: tuple[str, ...], size: int):
     if missing:
         raise ObservationError(f"observation lacks camera(s) {', '.join(missing)}; has {', '.join(images) or 'none'}")
     arrays = [np.asarray(images[c]) for c in cameras]
-    if all(a.dtype == np.uint8 and a.ndim == 3 and a.shape == arrays[0].shape for a in arrays) and arrays[0].shape[2] == 3:
+    if arrays and all(a.dtype == np.uint8 and a.ndim == 3 and a.shape == arrays[0].shape for a in arrays) and arrays[0].shape[2] == 3:
         # One resize for cameras of one size (the same values: bilinear works per image), from
         # the stacked bytes (channels-last strides, the interpolation's fast path).
         unit = resize_with_pad(torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float().div_(255.0), size)
