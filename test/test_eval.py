@@ -318,3 +318,16 @@ def test_a_mode_the_gate_refuses_is_reported_and_the_others_run(tmp_path):
     assert result["mode_order"] == ["baseline"] and list(result["modes"]) == ["baseline"]
     assert "prune_over_sampling_spread" in result["refused"]["prune"]
     assert "prune: refused by the parity gate, not run (prune_over_sampling_spread=" in headline_text(result)
+
+
+def test_the_report_says_what_precision_ran_and_what_the_gate_measured(tiny_bundles):
+    """precision auto resolves per bundle (and steps back when the gate refuses): the report
+    keeps what ran, next to the gate's metrics."""
+    from vla_accel_ros.bench import eval as ev
+
+    cfg = ev.EvalConfig(bundle=tiny_bundles["flow"], episodes=1, steps=12, modes=("baseline", "baseline@bf16"),
+                        num_threads=1, open_loop_episodes=0, height=120, width=160)  # fmt: skip
+    result = ev.run_eval(cfg, progress=False)
+    bf16 = result["modes"]["baseline@bf16"]
+    assert bf16["precision"] == "lm=bf16,expert=bf16" and result["modes"]["baseline"]["precision"] == "fp32"
+    assert "precision_second_frame_max_over_std" in bf16["parity_gate"]["metrics"]

@@ -650,9 +650,13 @@ def summarize_mode(run, results: list[EpisodeResult], open_loop: dict[str, Any],
     n = len(results)
     ok = sum(r.success for r in results)
     lat = [x for r in results for x in r.latency_ms]
+    precision = getattr(run.policy, "precision", None)  # what ran (auto resolved, a refused candidate passed over)
+    gate = getattr(run.policy, "parity_report", None)
     return {
         "doc": run.mode.doc,
         "policy_config": run.config,
+        "precision": None if precision is None else precision.label(),
+        "parity_gate": None if gate is None else {"metrics": dict(gate.metrics), "notes": list(gate.notes)},
         "episodes": n,
         "successes": ok,
         "success_rate": ok / n,
