@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -331,3 +332,7 @@ def test_the_report_says_what_precision_ran_and_what_the_gate_measured(tiny_bund
     bf16 = result["modes"]["baseline@bf16"]
     assert bf16["precision"] == "lm=bf16,expert=bf16" and result["modes"]["baseline"]["precision"] == "fp32"
     assert "precision_second_frame_max_over_std" in bf16["parity_gate"]["metrics"]
+    # The gate's frames do not follow the run's first seed: two halves of one evaluation run
+    # the same precision (auto could otherwise resolve differently in each).
+    later = ev.run_eval(dataclasses.replace(cfg, seed=cfg.seed + 7), progress=False)
+    assert later["modes"]["baseline@bf16"]["parity_gate"] == bf16["parity_gate"]
