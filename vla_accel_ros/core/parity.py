@@ -33,6 +33,7 @@ replay benchmark: the bag's first observations) pass them.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -104,6 +105,8 @@ def changed_observation(obs: Observation, spec) -> Observation:
 
 
 _SPREAD_SEED = 4321  # the other noise of the pruning check's sampling spread
+# Failures of the token method itself, whatever the precision (precision auto stops at them).
+TOKEN_METHOD_CHECKS = ("prune_over_sampling_spread", "accel_second_frame", "pruning dropped", "the token cache reused")
 
 PARITY_STEPS = ("prefix_hidden", "actions", "actions_reuse", "accelerated")
 
@@ -221,6 +224,19 @@ def run_parity(
     return report
 
 
+@contextlib.contextmanager
+def _full_recompute(policy):
+    """``policy`` without its token method for a while; its planner starts over afterwards
+    (the full recompute wrote the cached prefix)."""
+    planner = policy.planner
+    policy.planner = FullRecompute()
+    try:
+        yield
+    finally:
+        policy.planner = planner
+        planner.reset("external prefix write")
+
+
 def _check_prune_spread(policy, obs: Observation, noise: np.ndarray, pruned: np.ndarray, report: ParityReport) -> None:
     """A flow policy's pruned first frame (nothing reused yet: pruning alone) against the
     policy's own sampling spread on that frame, both measured on the policy's own full
@@ -229,13 +245,8 @@ def _check_prune_spread(policy, obs: Observation, noise: np.ndarray, pruned: np.
     as new noise does (the task's frames) and lost the task in closed loop at every setting
     tried, while passing the absolute bound; on random weights the spread is wide."""
     other = np.random.default_rng(_SPREAD_SEED).standard_normal(noise.shape).astype(np.float32)
-    planner = policy.planner
-    policy.planner = FullRecompute()
-    try:
+    with _full_recompute(policy):
         a, b = (_normalized(policy, policy.infer(obs, noise=n).actions) for n in (noise, other))
-    finally:
-        policy.planner = planner
-        planner.reset("external prefix write")
     moved = float(np.abs(_normalized(policy, pruned) - a).mean())
     spread = float(np.abs(a - b).mean())
     report.metrics["prune_first_frame_mean_abs_norm"] = moved
@@ -255,13 +266,8 @@ def _check_prune_spread(policy, obs: Observation, noise: np.ndarray, pruned: np.
 
 def _precision_only(policy, second: Observation, noise, ref: ActionChunk, report: ParityReport) -> None:
     """The second frame through the full recompute: precision apart from any token method."""
-    planner = policy.planner
-    policy.planner = FullRecompute()
-    try:
+    with _full_recompute(policy):
         got = policy.infer(second, noise=noise)
-    finally:
-        policy.planner = planner
-        planner.reset("external prefix write")
     _check_precision(report, "precision_second_frame", policy, got, ref)
 
 

@@ -13,8 +13,8 @@ from torch import nn
 from vla_accel_ros.core import bundle as core_bundle
 from vla_accel_ros.core.bundle import WEIGHTS_FILE, Bundle, BundleSpec, read_spec, save_bundle
 from vla_accel_ros.core.errors import BundleError, ConfigError, ParityError, VlaAccelError
-from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.memory import keep_freed_memory
+from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.robot.config import PolicyNodeConfig
 from vla_accel_ros.core.types import Observation
 from vla_accel_ros.core.prefix import PrefixPlanner
@@ -168,10 +168,6 @@ def load_for_robot(cfg: PolicyNodeConfig, instruction: str = ""):
     return policy
 
 
-# Gate checks that fail on the token method itself, whatever the precision.
-TOKEN_METHOD_CHECKS = ("prune_over_sampling_spread", "accel_second_frame", "pruning dropped", "the token cache reused")
-
-
 def build_policy(
     spec: BundleSpec,
     model: nn.Module,
@@ -195,7 +191,7 @@ def build_policy(
     not run the precision is passed over the same way, without a gate run
     (``policy.precision_notes`` says why, with or without the gate)."""
     from vla_accel_ros.core.backends import BackendUnavailable
-    from vla_accel_ros.core.parity import fp32_reference, run_parity
+    from vla_accel_ros.core.parity import TOKEN_METHOD_CHECKS, fp32_reference, run_parity
     from vla_accel_ros.models.precision import convert_model
 
     config = config or PolicyConfig()
