@@ -9,6 +9,14 @@ BIN    := $(VENV)/bin
 STAMPS := $(VENV)/.stamps
 BUILD  := .build
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# Large wheels (torch, triton: ~300 MB) over a flaky link: a CI run once failed on a download cut
+# six times at the same byte. pip resumes a cut download; let it try longer, and retry the whole
+# install (below) when even that gives up.
+export PIP_RETRIES := 10
+export PIP_TIMEOUT := 60
+export PIP_RESUME_RETRIES := 30
+PIP_INSTALL = for try in 1 2 3; do $(BIN)/pip install $(1) && break; \
+  [ $$try = 3 ] && exit 1; echo "pip install failed (try $$try of 3); retrying in 20 s" >&2; sleep 20; done
 export PYTHONDONTWRITEBYTECODE := 1
 # CPU runs: rendering of the simulator goes through EGL, no display needed.
 export MUJOCO_GL ?= egl
@@ -42,13 +50,13 @@ $(STAMPS)/system: | $(STAMPS)/venv
 	touch $@
 
 $(STAMPS)/deps: $(STAMPS)/system requirements.txt requirements-ros.txt requirements-sim.txt requirements-dev.txt $(STAMPS)/venv
-	$(BIN)/pip install -q -r requirements.txt -r requirements-ros.txt -r requirements-sim.txt -r requirements-dev.txt
+	$(call PIP_INSTALL,-q -r requirements.txt -r requirements-ros.txt -r requirements-sim.txt -r requirements-dev.txt)
 	touch $@
 
 # Triton for the GPU kernels' tests only, outside site-packages (see requirements-triton.txt).
 $(STAMPS)/triton: requirements-triton.txt $(STAMPS)/venv
 	rm -rf $(VENV)/triton
-	$(BIN)/pip install -q --no-deps --target $(VENV)/triton -r requirements-triton.txt
+	$(call PIP_INSTALL,-q --no-deps --target $(VENV)/triton -r requirements-triton.txt)
 	touch $@
 
 # The real rosidl pipeline, configured against the venv as the ament prefix.
