@@ -64,6 +64,27 @@ def record_sim_bag(out, episodes: int, steps: int):
     return out
 
 
+def still_bag(tmp_path, *, camera: str, joints: bool):
+    """Four black 48 x 64 frames of one camera, with or without joint states (0.5 rad)."""
+    import numpy as np
+
+    from vla_accel_ros.core.robot.config import RobotConfig
+    from vla_accel_ros.core.robot.state import state_to_joint_states
+    from vla_accel_ros.io.bag_writer import BagWriter
+
+    robot = RobotConfig()
+    path = tmp_path / f"bag_{camera}_{joints}"
+    with BagWriter(path) as w:
+        for i in range(4):
+            stamp = 1_000_000_000 + i * 20_000_000
+            w.write_image(f"/{camera}/camera/color/image_rect_raw", stamp, np.zeros((48, 64, 3), np.uint8))
+            if joints:
+                msgs = state_to_joint_states(robot, np.full(robot.dim, 0.5))
+                for topic, (names, pos, vel) in zip(robot.joint_state_topics, msgs):
+                    w.write_joint_state(topic, stamp, names, pos, vel)
+    return path
+
+
 @contextlib.contextmanager
 def context_on(domain: int):
     """An rclpy context of its own (its own DDS participant) on ``domain``, shut down after."""

@@ -22,7 +22,7 @@ from vla_accel_ros.bench.flops import FrameWork, decoder_layer_flops, estimate_f
 from vla_accel_ros.bench.report import PLOTS  # noqa: E402
 from vla_accel_ros.core.prune import PruneConfig  # noqa: E402
 from vla_accel_ros.cli import main  # noqa: E402
-from helpers import record_sim_bag  # noqa: E402
+from helpers import record_sim_bag, still_bag  # noqa: E402
 from vla_accel_ros.core.errors import BagError, BundleError, ConfigError  # noqa: E402
 
 EPISODES, STEPS, WARMUP = 2, 4, 2
@@ -187,24 +187,6 @@ def test_flops_formula() -> None:
 # -- errors: one clear line, exit code 2 ---------------------------------------------------------
 
 
-def _bag_without(tmp_path: Path, *, camera: str, joints: bool) -> Path:
-    from vla_accel_ros.core.robot.config import RobotConfig
-    from vla_accel_ros.core.robot.state import state_to_joint_states
-    from vla_accel_ros.io.bag_writer import BagWriter
-
-    robot = RobotConfig()
-    path = tmp_path / f"bag_{camera}_{joints}"
-    with BagWriter(path) as w:
-        for i in range(4):
-            stamp = 1_000_000_000 + i * 20_000_000
-            w.write_image(f"/{camera}/camera/color/image_rect_raw", stamp, np.zeros((48, 64, 3), np.uint8))
-            if joints:
-                msgs = state_to_joint_states(robot, np.full(robot.dim, 0.5))
-                for topic, (names, pos, vel) in zip(robot.joint_state_topics, msgs):
-                    w.write_joint_state(topic, stamp, names, pos, vel)
-    return path
-
-
 def _run_cli(capsys, argv: list[str]) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -219,10 +201,10 @@ def test_errors(sim_bag, tiny_bundles, tmp_path, capsys) -> None:
     assert "does not exist" in err
     err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", str(tmp_path / "no_bundle"), "--report", rep])
     assert "not a bundle" in err
-    wrong_cam = _bag_without(tmp_path, camera="cam_low", joints=True)
+    wrong_cam = still_bag(tmp_path, camera="cam_low", joints=True)
     err = _run_cli(capsys, ["replay", str(wrong_cam), "--bundle", ar, "--report", rep])
     assert "cam_high" in err and "cam_low" in err
-    no_state = _bag_without(tmp_path, camera="cam_high", joints=False)
+    no_state = still_bag(tmp_path, camera="cam_high", joints=False)
     err = _run_cli(capsys, ["replay", str(no_state), "--bundle", flow, "--report", rep])
     assert "joint states" in err and "14-D state" in err
     err = _run_cli(capsys, ["replay", str(sim_bag), "--bundle", ar, "--modes", "baseline,warp", "--report", rep])

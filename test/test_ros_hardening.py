@@ -241,6 +241,57 @@ def test_options_the_policy_refuses_go_back_to_the_running_ones_even_empty_lists
         node.destroy_node()
 
 
+def test_the_start_up_gate_runs_on_the_frames_of_gate_bag(ros_context, tiny_bundles, tmp_path):
+    """With gate_bag the node's parity gate checks the accelerated path on the bag's first
+    observation and its 11th (the task's own frames), and keeps them for later changes."""
+    pytest.importorskip("gym_aloha")
+    from vla_accel_ros.core.bundle import read_spec
+    from vla_accel_ros.core.robot.config import SyncConfig
+    from vla_accel_ros.io.bag_reader import gate_frames_from_bag
+    from vla_accel_ros.ros.policy_node import PolicyNode
+
+    bag = helpers.record_sim_bag(tmp_path / "bag", episodes=1, steps=12)
+    spec = read_spec(tiny_bundles["flow"])
+    overrides = [Parameter("bundle", value=str(tiny_bundles["flow"])), Parameter("gate_bag", value=str(bag)),
+                 Parameter("policy.accel", value="cache")]  # fmt: skip
+    node = PolicyNode(context=ros_context, parameter_overrides=overrides)
+    try:
+        helpers.wait_for(lambda: node.ready or node.failure, TIMEOUT, "the policy to load")
+        assert node.ready, node.failure
+        assert node.policy.parity_report.passed
+        first, second = gate_frames_from_bag(bag, SyncConfig(cameras=tuple(spec.cameras)))
+        gated = node.policy.gate_observations
+        for got, want in zip(gated, (first, second)):
+            assert want.stamp_ns == got.stamp_ns and np.array_equal(got.images["cam_high"], want.images["cam_high"])
+        assert first.stamp_ns != second.stamp_ns and np.array_equal(gated[0].state, first.state)
+    finally:
+        node.close()
+        node.destroy_node()
+
+
+def test_a_gate_bag_that_cannot_feed_the_bundle_is_named(ros_context, tiny_bundles, tmp_path):
+    import json
+
+    from vla_accel_ros.core.bundle import CONFIG_FILE
+    from vla_accel_ros.ros.policy_node import PolicyNode
+
+    bundle = tmp_path / "two_cameras"  # a config is enough: the bag is checked before any weights load
+    bundle.mkdir()
+    config = json.loads((tiny_bundles["flow"] / CONFIG_FILE).read_text())
+    (bundle / CONFIG_FILE).write_text(json.dumps({**config, "cameras": ["cam_high", "cam_left_wrist"]}))
+    top_only = helpers.still_bag(tmp_path, camera="cam_high", joints=True)
+    for gate_bag, why in ((tmp_path / "missing", "no such bag"), (top_only, "no camera(s) cam_left_wrist")):
+        overrides = [Parameter("bundle", value=str(bundle)), Parameter("gate_bag", value=str(gate_bag))]
+        node = PolicyNode(context=ros_context, parameter_overrides=overrides)
+        try:
+            helpers.wait_for(lambda: node.failure, TIMEOUT, "the load to fail")
+            assert f"gate_bag={str(gate_bag)!r}" in node.failure and why in node.failure, node.failure
+            assert node.policy is None and not node.ready
+        finally:
+            node.close()
+            node.destroy_node()
+
+
 def test_instructions_are_bounded_in_the_log_and_by_the_model(policy_graph, capfd):
     """A 100 kB instruction is refused, counted, and logged at most ~200 characters long (over a
     storm it was ~9 MB of log a minute); one with more tokens than the bundle takes is refused

@@ -24,7 +24,7 @@ import torch
 
 
 def main() -> None:
-    from vla_accel_ros.bench.replay import gate_frames_from_bag
+    from vla_accel_ros.io.bag_reader import gate_frames_from_bag
     from vla_accel_ros.core.parity import run_parity
     from vla_accel_ros.core.policy_config import PolicyConfig
     from vla_accel_ros.core.robot.config import SyncConfig

@@ -30,6 +30,7 @@ from vla_accel_ros.bench.modes import BASELINE, ModeRun, build_runs, check_overr
 from vla_accel_ros.bench.reasoning import reasoning_summary, truth_words
 from vla_accel_ros.bench.stats import action_deviation, action_std, distribution, percentile
 from vla_accel_ros.core.errors import BagError, ConfigError
+from vla_accel_ros.io.bag_reader import gate_frames_from_bag, inspect_bag
 from vla_accel_ros.models.family import get_family
 from vla_accel_ros.sim.aloha import task_of_instruction
 
@@ -77,54 +78,7 @@ class ReplayConfig:
 # ------------------------------------------------------------------------------ inputs
 
 
-def inspect_bag(path: Path, spec) -> dict[str, Any]:
-    """Check that the bag can feed this bundle before any weights load; return its metadata."""
-    from vla_accel_ros.io.bag_reader import BagReader
-
-    with BagReader(path) as bag:
-        cams = bag.cameras()
-        missing = [c for c in spec.cameras if c not in cams]
-        if missing:
-            raise BagError(
-                f"bag {path} has no camera(s) {', '.join(missing)} that bundle {spec.name} needs; "
-                f"it has {', '.join(sorted(cams)) or 'none'}"
-            )
-        topics = bag.topics
-        wanted = bag.robot.joint_state_topics  # the reader assembles the state from these
-        if spec.state_dim and not all(t in topics for t in wanted):
-            raise BagError(
-                f"bag {path} has no joint states ({', '.join(wanted)}) "
-                f"but the {spec.family} bundle {spec.name} needs a {spec.state_dim}-D state"
-            )
-        if spec.state_dim and spec.state_dim != bag.robot.dim:
-            raise BagError(f"bag {path} yields {bag.robot.dim}-D states; bundle {spec.name} expects {spec.state_dim}-D")
-        return {
-            "path": str(path),
-            "cameras": sorted(cams),
-            "frames": min(topics[cams[c]].count for c in spec.cameras),  # observations at most
-            "duration_s": bag.duration_ns / 1e9,
-            "messages": bag.message_count,
-        }
-
-
 # ------------------------------------------------------------------------------ the run
-
-
-def gate_frames_from_bag(path: Path, sync, second: int = 10) -> tuple[Any, Any] | None:
-    """The bag's first observation and its ``second``-th (or last): real frames for the parity
-    gate of the reduced-precision modes; None when the bag has fewer than two."""
-    from vla_accel_ros.io.bag_reader import BagReader
-
-    first = last = None
-    with BagReader(path) as bag:
-        for i, sample in enumerate(bag.samples(sync)):
-            if first is None:
-                first = sample.observation
-            else:
-                last = sample.observation
-            if i >= second:
-                break
-    return None if last is None else (first, last)
 
 
 def run_replay(cfg: ReplayConfig, *, progress: bool = False, command: str = "") -> dict[str, Any]:

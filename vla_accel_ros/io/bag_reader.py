@@ -334,3 +334,60 @@ def _same_stamp(messages: Iterable[BagMessage]) -> Iterator[list[BagMessage]]:
         group.append(m)
     if group:
         yield group
+
+
+def inspect_bag(path: Path, spec) -> dict[str, Any]:
+    """Check that the bag can feed this bundle before any weights load; return its metadata."""
+    with BagReader(path) as bag:
+        cams = bag.cameras()
+        missing = [c for c in spec.cameras if c not in cams]
+        if missing:
+            raise BagError(
+                f"bag {path} has no camera(s) {', '.join(missing)} that bundle {spec.name} needs; "
+                f"it has {', '.join(sorted(cams)) or 'none'}"
+            )
+        topics = bag.topics
+        wanted = bag.robot.joint_state_topics  # the reader assembles the state from these
+        if spec.state_dim and not all(t in topics for t in wanted):
+            raise BagError(
+                f"bag {path} has no joint states ({', '.join(wanted)}) "
+                f"but the {spec.family} bundle {spec.name} needs a {spec.state_dim}-D state"
+            )
+        if spec.state_dim and spec.state_dim != bag.robot.dim:
+            raise BagError(f"bag {path} yields {bag.robot.dim}-D states; bundle {spec.name} expects {spec.state_dim}-D")
+        return {
+            "path": str(path),
+            "cameras": sorted(cams),
+            "frames": min(topics[cams[c]].count for c in spec.cameras),  # observations at most
+            "duration_s": bag.duration_ns / 1e9,
+            "messages": bag.message_count,
+        }
+
+
+def gate_frames_from_bag(path: Path, sync, second: int = 10) -> tuple[Any, Any] | None:
+    """The bag's first observation and its ``second``-th (or last): the task's own frames for
+    the parity gate (``replay``, the policy node's ``gate_bag``); None when the bag has fewer
+    than two."""
+    first = last = None
+    with BagReader(path) as bag:
+        for i, sample in enumerate(bag.samples(sync)):
+            if first is None:
+                first = sample.observation
+            else:
+                last = sample.observation
+            if i >= second:
+                break
+    return None if last is None else (first, last)
+
+
+def gate_frames_for(path: Path, spec) -> tuple[Observation, Observation]:
+    """:func:`gate_frames_from_bag` for bundle ``spec``, the bag checked against it first
+    (cameras, joint states); a :class:`BagError` says what is missing."""
+    path = Path(path)
+    if not path.exists():
+        raise BagError(f"no such bag {path}")
+    inspect_bag(path, spec)
+    frames = gate_frames_from_bag(path, SyncConfig(cameras=tuple(spec.cameras)))
+    if frames is None:
+        raise BagError(f"bag {path} has fewer than two observations of cameras {', '.join(spec.cameras)}")
+    return frames

@@ -150,6 +150,9 @@ class PolicyBase:
         self.vision_graph = None
         # What the builder says about this policy's precision (a backend it could not use, ...).
         self.precision_notes: list[str] = []
+        # The parity gate's frames (None: its synthetic pair): the task's own when the builder
+        # was given them, so a later change of acceleration is checked on the same frames.
+        self.gate_observations = None
         self.motion_mode = MOTION_MODES[0]
         # Names this policy's KV cache in every PrefixContext (a counter, never reused like id()).
         self.source = f"{spec.name}#{next(_INSTANCES)}"
@@ -265,7 +268,7 @@ class PolicyBase:
             # The gate covers what runs: a new plan is verified before its first real inference.
             from vla_accel_ros.core.parity import run_parity
 
-            report = run_parity(self, tolerance=config.parity_tolerance)
+            report = run_parity(self, tolerance=config.parity_tolerance, observations=self.gate_observations)
             if not report.passed:
                 self.config, self.planner = old
                 self.planner.reset("external prefix write")  # the gate overwrote the cached K/V

@@ -130,19 +130,23 @@ def load_policy(
     config: PolicyConfig | None = None,
     *,
     planner: PrefixPlanner | None = None,
+    gate_observations: tuple[Observation, Observation] | None = None,
 ):
     """A ready policy. With ``config.parity_check`` the accelerated path must pass the parity
-    gate first, or this raises :class:`ParityError` (the policy refuses to start)."""
+    gate first (on ``gate_observations``, default the synthetic pair), or this raises
+    :class:`ParityError` (the policy refuses to start)."""
     if not isinstance(bundle, Bundle):
         bundle = load_bundle(bundle)
     return build_policy(
-        bundle.spec, model_from_bundle(bundle), config, planner=planner, where=str(bundle.path), bundle_path=str(bundle.path)
-    )
+        bundle.spec, model_from_bundle(bundle), config, planner=planner, where=str(bundle.path), bundle_path=str(bundle.path),
+        gate_observations=gate_observations,
+    )  # fmt: skip
 
 
-def load_for_robot(cfg: PolicyNodeConfig, instruction: str = ""):
+def load_for_robot(cfg: PolicyNodeConfig, instruction: str = "", gate_observations: tuple[Observation, Observation] | None = None):
     """The policy node's policy: the bundle checked against ``cfg.robot``, torch threads set,
-    loaded (through the parity gate) and, with ``cfg.warmup``, run once on a blank observation."""
+    loaded (through the parity gate, on ``gate_observations`` when given: the frames of
+    ``cfg.gate_bag``) and, with ``cfg.warmup``, run once on a blank observation."""
     if not cfg.bundle:
         raise VlaAccelError("parameter 'bundle' is empty: give the path of a model bundle")
     spec = read_model_spec(cfg.bundle)
@@ -159,7 +163,7 @@ def load_for_robot(cfg: PolicyNodeConfig, instruction: str = ""):
         # then wait behind inference (measured: 2 threads on 2 cores ran inference 10-30x
         # slower than 1). Leave one core to the rest of the graph.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    policy = load_policy(cfg.bundle, cfg.policy)
+    policy = load_policy(cfg.bundle, cfg.policy, gate_observations=gate_observations)
     if cfg.warmup:
         blank = {c: np.zeros((spec.image_size, spec.image_size, 3), np.uint8) for c in spec.cameras}
         state = np.zeros(spec.state_dim, np.float32) if spec.state_dim else None
@@ -228,6 +232,7 @@ def build_policy(
                 candidates = [same] + [c for c in candidates if c != same]
                 continue
         notes = [f"{p}; running {precision.label()} instead" for p in passed_over]
+        policy.gate_observations = gate_observations
         policy.precision_notes = list(notes)  # its own list: the gate's note below goes to both once
         if not config.parity_check:
             return policy

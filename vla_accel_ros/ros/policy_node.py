@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
@@ -206,12 +207,19 @@ class PolicyNode(Node):
             self._reasoning_pub.publish(String(data=c.stats["reasoning_text"]))
 
     def _load(self) -> None:
+        from vla_accel_ros.io.bag_reader import gate_frames_for  # noqa: PLC0415 - as torch: off the node's start
         from vla_accel_ros.models.factory import load_for_robot  # noqa: PLC0415 - torch stays off the node's start
 
         cfg = self.worker.cfg
         t0 = time.perf_counter()
         self.get_logger().info(f"loading {cfg.bundle} ...")
-        policy = load_for_robot(cfg)  # warmed up on the bundle's instruction: the topic's is checked next
+        gate = None
+        if cfg.gate_bag and cfg.policy.parity_check:
+            try:
+                gate = gate_frames_for(Path(cfg.gate_bag), read_spec(cfg.bundle))
+            except VlaAccelError as e:
+                raise VlaAccelError(f"parameter gate_bag={cfg.gate_bag!r}: {e} (give a rosbag of the task, or '' for a synthetic pair)") from e
+        policy = load_for_robot(cfg, gate_observations=gate)  # warmed up on the bundle's instruction: the topic's is checked next
         if self.worker.stopped:  # closed while loading: the node (its publishers) may be gone already
             return
         self.policy = self.worker.policy = policy
@@ -225,7 +233,8 @@ class PolicyNode(Node):
             self.get_logger().warning(note)
         self.get_logger().info(
             f"ready: {s.name} ({s.family}, chunk {s.chunk_size} x {s.action_dim}, cameras {', '.join(s.cameras)}) "
-            f"in {time.perf_counter() - t0:.1f} s; precision {policy.precision.label()}; trigger {cfg.trigger}"
+            f"in {time.perf_counter() - t0:.1f} s; precision {policy.precision.label()}; trigger {cfg.trigger}; "
+            f"gated on {('the frames of ' + cfg.gate_bag) if policy.gate_observations else 'a synthetic pair of frames'}"
         )
 
     # -- diagnostics --------------------------------------------------------------------------

@@ -242,6 +242,12 @@ class PolicyNodeConfig(Config):
     )
     shared_channel: str = param("observations", doc="name of the shared buffer (observation_transport=shared)", read_only=True)
     warmup: bool = param(True, doc="run one inference on a blank observation before reporting ready", read_only=True)
+    gate_bag: str = param(
+        "", doc="a rosbag of the task (this robot's, or `vla-accel sim record`): the start-up parity gate checks the "
+        "accelerated path on its first observation and its 11th instead of a synthetic pair ('' = the synthetic "
+        "pair; pruning's bound, policy.parity_tolerance_prune, is meaningful only on the task's frames)",
+        read_only=True,
+    )  # fmt: skip
     worker_nice: int = param(
         10, doc="niceness of the inference thread and the torch threads it starts (0: as the node); the "
         "control loop, the camera and every node's DDS callbacks then come first on a busy CPU", range=(0, 19),
