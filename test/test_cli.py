@@ -56,3 +56,18 @@ def test_long_commands_show_progress_on_stderr_when_it_is_not_a_terminal(tmp_pat
     assert out.returncode == 0 and "bench cache" in out.stderr and "3/3" in out.stderr
     out = _run("bench", "engine", "--bundle", flow, "--repeats", "1", "--reuse", "0.5")
     assert out.returncode == 0 and "bench engine" in out.stderr and "comparison" in out.stderr
+
+
+def test_parity_gates_on_the_frames_of_a_bag(tmp_path, tiny_bundles):
+    import helpers
+    import pytest
+
+    pytest.importorskip("gym_aloha")
+
+    flow = str(tiny_bundles["flow"])
+    bag = helpers.record_sim_bag(tmp_path / "bag", episodes=1, steps=12)
+    out = _run("parity", "--bundle", flow, "--accel", "cache", "--bag", str(bag))
+    assert out.returncode == 0 and f"frames of {bag}" in out.stdout and "PASS" in out.stdout, out.stdout + out.stderr[-2000:]
+    no_state = helpers.still_bag(tmp_path, camera="cam_high", joints=False)
+    out = _run("parity", "--bundle", flow, "--bag", str(no_state))
+    assert out.returncode == 2 and "no joint states" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]

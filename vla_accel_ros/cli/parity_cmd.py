@@ -22,6 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="precision preset gated against the bundle's fp32 path (fp32, bf16, int8, hybrid, auto); limits: config/aloha.yaml",
     )  # fmt: skip
     p.add_argument("--compile", action="store_true", help="gate the compiled static steps (torch.compile)")
+    p.add_argument(
+        "--bag", metavar="BAG",
+        help="gate on this rosbag's first and 11th observation (the task's own frames, as the policy node's gate_bag) "
+        "instead of a synthetic pair: pruning's bound means something only there",
+    )  # fmt: skip
     p.add_argument("--backend", default="torch", choices=("torch", "onnxruntime", "openvino"),
                    help="gate the vision tower as an ONNX graph on this runtime (at the vision precision)")
     p.add_argument(
@@ -44,15 +49,24 @@ def _run(args: argparse.Namespace) -> int:
     from vla_accel_ros.core.precision import preset
     from vla_accel_ros.models.factory import load_policy
 
+    frames = None
+    if args.bag:
+        from pathlib import Path
+
+        from vla_accel_ros.core.bundle import read_spec
+        from vla_accel_ros.io.bag_reader import gate_frames_for
+
+        frames = gate_frames_for(Path(args.bag), read_spec(args.bundle))  # a BagError says what the bag lacks
     precision = {**preset(args.precision), "compile": args.compile, "backend": args.backend}
     config = PolicyConfig.from_dict({"accel": args.accel, "parity_tolerance": args.tolerance, "precision": precision})
     print(f"parity of {args.bundle} (accel={args.accel}, precision={args.precision}{', compiled' if args.compile else ''}"
-          f"{'' if args.backend == 'torch' else ', vision on ' + args.backend})")  # fmt: skip
+          f"{'' if args.backend == 'torch' else ', vision on ' + args.backend}; "
+          f"{'frames of ' + args.bag if frames else 'a synthetic pair of frames'})")  # fmt: skip
     if config.precision.gated_against_fp32:  # the gate needs the fp32 reference the policy builds at load, and runs there
         with progress_bar(1, "parity", "step") as bar:
             bar.set_postfix_str("loading and gating")
             try:
-                report = load_policy(args.bundle, config).parity_report
+                report = load_policy(args.bundle, config, gate_observations=frames).parity_report
             except ParityError as e:
                 print(e)
                 return 1
@@ -63,8 +77,9 @@ def _run(args: argparse.Namespace) -> int:
             policy = load_policy(args.bundle, config.replace(parity_check=False))
             bar.update(1)
             report = run_parity(
-                policy, tolerance=args.tolerance, on_step=lambda name: (bar.set_postfix_str(name), bar.update(1))
-            )
+                policy, tolerance=args.tolerance, observations=frames,
+                on_step=lambda name: (bar.set_postfix_str(name), bar.update(1)),
+            )  # fmt: skip
     print(report.table())
     return 0 if report.passed else 1
 
