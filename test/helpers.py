@@ -68,11 +68,12 @@ def still_bag(tmp_path, *, camera: str, joints: bool):
     """Four black 48 x 64 frames of one camera, with or without joint states (0.5 rad)."""
     import numpy as np
 
-    from vla_accel_ros.core.robot.config import RobotConfig
     from vla_accel_ros.core.robot.state import state_to_joint_states
+    from vla_accel_ros.core.robot.topics import TopicLayout
+    from vla_accel_ros.io.bag_file import robot_for
     from vla_accel_ros.io.bag_writer import BagWriter
 
-    robot = RobotConfig()
+    robot = robot_for(TopicLayout())  # the topics a bag reader takes the state from
     path = tmp_path / f"bag_{camera}_{joints}"
     with BagWriter(path) as w:
         for i in range(4):

@@ -364,7 +364,7 @@ def inspect_bag(path: Path, spec) -> dict[str, Any]:
         }
 
 
-def gate_frames_from_bag(path: Path, sync, second: int = 10) -> tuple[Any, Any] | None:
+def gate_frames_from_bag(path: Path, sync: SyncConfig, second: int = 10) -> tuple[Observation, Observation] | None:
     """The bag's first observation and its ``second``-th (or last): the task's own frames for
     the parity gate (``replay``, the policy node's ``gate_bag``); None when the bag has fewer
     than two."""

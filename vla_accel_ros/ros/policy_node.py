@@ -214,9 +214,10 @@ class PolicyNode(Node):
         t0 = time.perf_counter()
         self.get_logger().info(f"loading {cfg.bundle} ...")
         gate = None
-        if cfg.gate_bag and cfg.policy.parity_check:
+        if cfg.gate_bag and cfg.policy.parity_check and cfg.bundle:  # no bundle: load_for_robot says so
+            spec = self._spec or read_spec(cfg.bundle)  # a bundle's error is not the bag's
             try:
-                gate = gate_frames_for(Path(cfg.gate_bag), read_spec(cfg.bundle))
+                gate = gate_frames_for(Path(cfg.gate_bag), spec)
             except VlaAccelError as e:
                 raise VlaAccelError(f"parameter gate_bag={cfg.gate_bag!r}: {e} (give a rosbag of the task, or '' for a synthetic pair)") from e
         policy = load_for_robot(cfg, gate_observations=gate)  # warmed up on the bundle's instruction: the topic's is checked next
