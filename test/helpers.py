@@ -134,8 +134,16 @@ def spinning(context, *nodes):
     stop = threading.Event()
 
     def spin() -> None:
+        from rclpy._rclpy_pybind11 import InvalidHandle
+
         while not stop.is_set() and context.ok():
-            executor.spin_once(timeout_sec=0.05)
+            try:
+                executor.spin_once(timeout_sec=0.05)
+            except InvalidHandle:
+                # A test destroyed a publisher or client of a spun node while rclpy built its
+                # wait set from the entity list taken before: the next spin builds it anew. Let
+                # through, it would end this thread and every later callback of the module.
+                continue
 
     thread = threading.Thread(target=spin, daemon=True)
     thread.start()

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ import yaml
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.params_file import node_section
 from vla_accel_ros.core.robot.config import RobotConfig
-from vla_accel_ros.io.recording import ReorderBuffer, header_stamp_ns
+from vla_accel_ros.io.recording import ClockReadings, ReorderBuffer, header_stamp_ns
 from vla_accel_ros.core.robot.state import StateAssembler, to_robot_units
 from vla_accel_ros.sim.live import DT_NS, LatencyTracker, Pacer, render_every
 from vla_accel_ros.sim.robot_io import CommandDecoder, CommandError, joint_state_messages
@@ -117,6 +118,68 @@ def test_pacing_rendering_latency_and_recording_order():
     out = [item for k in range(1000) for _, item in buf.push(40, k)]
     assert len(buf) == 100 and buf.overflowed == 900 and out == list(range(900))  # the oldest leave first
     assert header_stamp_ns(b"\x00\x01\x00\x00" + (3).to_bytes(4, "little") + (5).to_bytes(4, "little")) == 3_000_000_005
+
+
+def test_clock_readings_date_a_wall_time_on_the_recorders_clock():
+    r = ClockReadings(keep_ns=100, every_ns=5)
+    assert r.at(10) is None  # nothing read yet: older than the recording
+    for wall, clock in ((10, 1000), (12, 1002), (20, 1010), (30, 1020)):
+        r.note(wall, clock)  # 12: within every_ns of 10, not kept
+    assert (r.at(9), r.at(10), r.at(19), r.at(25), r.at(99)) == (None, 1000, 1000, 1010, 1020)
+    r.note(125, 1115)  # 10 and 20 are now older than keep_ns
+    assert r.at(9) == 1020  # forgotten readings: an older wall time gets the oldest kept, not None
+    r.clear()
+    assert r.at(200) is None
+
+
+@pytest.mark.ros
+def test_a_latched_message_the_recorder_subscribes_to_late_is_dated_when_it_was_published(ros_context, tmp_path):
+    """A recorder that finds the episode and instruction topics after frames were recorded (a
+    slow discovery round; a recording started after the robot was told its task) gets their
+    latched messages from the publishers' history. Dated on arrival, they would follow those
+    frames, which would then read without an instruction: dated at publication (the episode
+    marker, published before the recording, at its start), every frame after it carries it."""
+    from rclpy.node import Node
+    from rclpy.parameter import Parameter
+    from sensor_msgs.msg import JointState
+    from std_msgs.msg import Int32, String
+
+    from vla_accel_ros.io.bag_reader import BagReader
+    from vla_accel_ros.ros import qos
+    from vla_accel_ros.ros.conversions import header
+    from vla_accel_ros.ros.recorder import RecorderNode
+
+    talker = Node("talker", context=ros_context)
+    episode = talker.create_publisher(Int32, "/episode", qos.LATCHED)
+    episode.publish(Int32(data=3))  # before the recorder exists
+    frames = talker.create_publisher(JointState, "/frames", qos.RELIABLE)
+    out = tmp_path / "bag"
+    overrides = [Parameter("out", value=str(out)), Parameter("topics", value=["/frames", "/episode", "/instruction"]),
+                 Parameter("clock", value="wall"), Parameter("discovery_period_s", value=1.5)]  # fmt: skip
+    rec = RecorderNode(context=ros_context, parameter_overrides=overrides)
+    sent: list[int] = []
+
+    def frame() -> int:
+        now = talker.get_clock().now().nanoseconds
+        frames.publish(JointState(header=header(now), name=["j"], position=[0.0]))
+        sent.append(now)
+        time.sleep(0.02)
+        return now
+
+    with helpers.spinning(ros_context, rec):
+        wait_for(lambda: frame() and rec.counts["/frames"] > 5, what="frames recorded")
+        instruction = talker.create_publisher(String, "/instruction", qos.LATCHED)
+        n_before = len(sent)
+        instruction.publish(String(data="pick up the cube"))
+        # (written once the reorder window passed it)
+        wait_for(lambda: frame() and rec.counts["/instruction"] == 1, what="the recorder to record /instruction")
+        first_after = sent[n_before]
+    talker.destroy_node()
+    with BagReader(out) as bag:
+        dated = {m.topic: m.stamp_ns for m in bag.messages(["/episode", "/instruction"])}
+        first_frame = next(m.stamp_ns for m in bag.messages(["/frames"]))
+    assert dated["/episode"] <= first_frame  # older than the recording: at its start
+    assert sent[n_before - 1] - 10_000_000 <= dated["/instruction"] <= first_after, (dated, sent[n_before - 1], first_after)
 
 
 @pytest.mark.ros

@@ -7,9 +7,11 @@ from ``msg/*.msg``) and any package whose ``share/<pkg>/msg`` is found.
 
 Bag timestamps: a message with a ``std_msgs/Header`` first is stamped with its header stamp
 (every message of one simulated tick then shares one timestamp, as in ``vla-accel sim
-record``, which is how :meth:`BagReader.samples` groups them); others with the receive time.
-Messages arrive slightly out of stamp order (different topics, threads), so a short reorder
-window writes them sorted.
+record``, which is how :meth:`BagReader.samples` groups them); others with the receive time,
+except a latched message published before its subscription existed: it is dated when it was
+published (:class:`ClockReadings`), so the frames recorded meanwhile carry it. Messages arrive
+slightly out of stamp order (different topics, threads), so a short reorder window writes them
+sorted.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import re
 import struct
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -76,6 +79,44 @@ class ReorderBuffer:
 
     def __len__(self) -> int:
         return len(self._heap)
+
+
+class ClockReadings:
+    """The recorder's clock read against the wall clock as messages arrive, to date a message
+    on that clock at the wall time it was published (its DDS source timestamp).
+
+    Why: a transient-local subscription created after its publisher spoke gets the latched
+    message (an episode marker, an instruction) from the publisher's history. Dated on
+    arrival, it would follow the frames recorded meanwhile, which then carry no instruction.
+    ``at`` answers the reading at or before a wall time (at most ``every_ns`` early), None
+    before the first reading (older than the recording). Readings older than ``keep_ns`` are
+    forgotten (a topic is subscribed within a discovery period of appearing, so its history is
+    younger than that); an older wall time then gets the oldest reading kept."""
+
+    def __init__(self, keep_ns: int = 30_000_000_000, every_ns: int = 5_000_000) -> None:
+        self.keep_ns, self.every_ns = int(keep_ns), int(every_ns)
+        self._readings: deque[tuple[int, int]] = deque()
+        self._forgot = False
+
+    def note(self, wall_ns: int, clock_ns: int) -> None:
+        if self._readings and wall_ns - self._readings[-1][0] < self.every_ns:
+            return
+        self._readings.append((int(wall_ns), int(clock_ns)))
+        while self._readings and self._readings[0][0] < wall_ns - self.keep_ns:
+            self._readings.popleft()
+            self._forgot = True
+
+    def at(self, wall_ns: int) -> int | None:
+        found = self._readings[0][1] if self._forgot and self._readings else None
+        for wall, clock in self._readings:  # only for latched messages that came late: rare
+            if wall > wall_ns:
+                break
+            found = clock
+        return found
+
+    def clear(self) -> None:
+        self._readings.clear()
+        self._forgot = False
 
 
 def _msg_dirs(package: str) -> Iterable[Path]:

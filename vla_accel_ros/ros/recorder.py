@@ -11,13 +11,16 @@ replay`` reads the result.
 
 Clock: ``clock: auto`` switches the node to sim time as soon as ``/clock`` is on the graph,
 so header-less messages (``/episode``, ``/instruction``) are dated on the same clock as the
-stamped ones.
+stamped ones. A latched message published before its subscription existed is dated when it
+was published (its DDS source timestamp, read on that clock), or at the recording's start when
+it is older than the recording, so the frames recorded in the meantime carry it.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +36,7 @@ from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.robot.topics import TopicLayout
 from vla_accel_ros.io.bag_file import STORAGES
-from vla_accel_ros.io.recording import CdrBagWriter, ReorderBuffer, header_stamp_ns
+from vla_accel_ros.io.recording import CdrBagWriter, ClockReadings, ReorderBuffer, header_stamp_ns
 from vla_accel_ros.ros.spin import spin_node
 from vla_accel_ros.ros.params import ConfigParameters
 
@@ -103,6 +106,9 @@ class RecorderNode(Node):
             self.types: dict[str, str] = {}  # topic -> msgtype, once subscribed
             self.unrecordable: dict[str, str] = {}  # topic -> why not
             self._subs = []
+            self._subscribed_ns: dict[str, int] = {}  # topic -> wall time its subscription was made
+            self._readings = ClockReadings()
+            self._start: int | None = None  # the recording's start on the bag's clock
             self._sim_clock = cfg.clock == "sim"
             if self._sim_clock:
                 self.set_parameters([Parameter("use_sim_time", value=True)])
@@ -123,6 +129,9 @@ class RecorderNode(Node):
         if cfg.clock == "auto" and not self._sim_clock and "/clock" in available:
             self._sim_clock = True
             self.set_parameters([Parameter("use_sim_time", value=True)])
+            with self._lock:  # readings and start were on the wall clock
+                self._readings.clear()
+                self._start = None
             self.get_logger().info("/clock is on the graph: receive times are sim time")
         for topic in self.wanted:
             if topic in self.types or topic in self.unrecordable or topic not in available:
@@ -142,6 +151,7 @@ class RecorderNode(Node):
                 self.get_logger().warning(f"not recording {topic}: {self.unrecordable[topic]}")
                 continue
             stamped = cfg.stamps == "header" and self.writer.has_header(msgtype)
+            self._subscribed_ns[topic] = time.time_ns()
             self._subs.append(
                 self.create_subscription(
                     cls, topic, partial(self._on_message, topic, msgtype, stamped), qos, raw=True, callback_group=self._group
@@ -165,13 +175,21 @@ class RecorderNode(Node):
         )
 
     # -- messages -----------------------------------------------------------------------------------
-    def _on_message(self, topic: str, msgtype: str, stamped: bool, data: bytes) -> None:
+    def _on_message(self, topic: str, msgtype: str, stamped: bool, data: bytes, info: dict) -> None:
+        now = self.get_clock().now().nanoseconds
         stamp = header_stamp_ns(data) if stamped else 0
-        if not stamp:
-            stamp = self.get_clock().now().nanoseconds
         with self._lock:
             if self._closed:
                 return
+            self._readings.note(time.time_ns(), now)
+            if self._start is None:  # a window back: messages arrive up to that late
+                self._start = max(0, (stamp or now) - self._buffer.window_ns)
+            if not stamp:
+                stamp = now
+                published = int(info.get("source_timestamp", 0))
+                if 0 < published < self._subscribed_ns.get(topic, 0):  # from the publisher's history
+                    reading = self._readings.at(published)
+                    stamp = self._start if reading is None else min(now, reading)
             for s, (t, mt, d) in self._buffer.push(stamp, (topic, msgtype, data), self._rank.get(topic, 0)):
                 self._write(t, mt, s, d)
 
