@@ -48,7 +48,8 @@ class RecorderConfig(Config):
     storage: str = param("mcap", doc="mcap, or sqlite3 for Humble tools", choices=STORAGES, read_only=True)
     compress: bool = param(True, doc="zstd-compressed MCAP chunks (mcap only)", read_only=True)
     stamps: str = param(
-        "header", doc="bag timestamps: header (a message's header stamp when it has one, else the receive time) or receive",
+        "header", doc="bag timestamps: header (a message's header stamp when it has one, else the receive time) or receive; "
+        "either way a latched message received from its publisher's history is dated when it was published",
         choices=("header", "receive"), read_only=True,
     )  # fmt: skip
     clock: str = param(
