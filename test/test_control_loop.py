@@ -93,6 +93,23 @@ def test_stale_chunks_are_dropped_or_executed_late_on_request():
             assert loop.late_actions == 1
 
 
+def test_a_late_action_waits_for_the_next_tick_however_late_it_comes():
+    """execute_last: the next tick commands the late action even when the timer runs late (under
+    load a 50 Hz timer ticked at 24 Hz, and a slot chosen on arrival was already past: no command
+    at all). A fresher chunk that plans that tick supersedes it."""
+    loop = ControlLoop(ControllerConfig(safety=SafetyConfig(start_enabled=True), stale_chunks="execute_last"))
+    loop.tick(T0, measured=POSE)
+    loop.tick(T0 + 2 * DT, measured=POSE, chunks=[_chunk(T0 + DT // 2, 0.02, rows=1)])  # all past
+    out = loop.tick(T0 + 2 * DT + 23 * DT // 10, measured=POSE)  # 2.3 periods later
+    np.testing.assert_allclose(out.command, POSE + 0.02, atol=1e-6)
+    assert loop.late_actions == 1
+    past, fresh = _chunk(T0 + 4 * DT, 0.05, rows=1), _chunk(T0 + 7 * DT, 0.07, rows=5)  # past again, and a newer one
+    loop.tick(T0 + 6 * DT, measured=POSE, chunks=[past, fresh])
+    out = loop.tick(T0 + 7 * DT, measured=POSE)
+    offset = out.command - POSE  # the newer plan, blended in from the held 0.02 (not the past 0.05)
+    assert loop.late_actions == 1 and np.allclose(offset, offset[0]) and 0.02 < offset[0] < 0.05
+
+
 def test_chunks_for_another_robot_are_dropped():
     loop = _loop()
     out = loop.tick(T0, measured=POSE, chunks=[_chunk(T0, names=[f"j{i}" for i in range(14)])])

@@ -72,6 +72,7 @@ class ControlLoop:
         self._last_requested = -1  # newest observation stamp asked for
         self._force_request = False
         self._last_now: int | None = None
+        self._late: ActionChunk | None = None  # a chunk all past, its last action due at the next tick
         self._refused_stamp = -1  # the future observation stamp dropped last (counted once)
         self._stale_stamp = -1  # the stale observation stamp not asked for last (counted once)
 
@@ -158,6 +159,7 @@ class ControlLoop:
             self.scheduler.reset(hold_action=last if last is not None else measured)
             self.motion.reset()
 
+        self._place_late(now_ns)
         result = self.scheduler.step(now_ns)
         if self.got_chunk:
             self.steps += 1
@@ -216,22 +218,31 @@ class ControlLoop:
             # counts as arrived, so the latency (RTC's d) covers every action the old plan ran.
             self.scheduler.add_chunk(chunk, now_ns + int(cfg.scheduler.dt * 1e9))
             # Nothing planned even after this chunk: all of it was in the past (a 1-action chunk
-            # stamped between two ticks covers no tick at all).
-            if self.scheduler.pending == 0 and cfg.stale_chunks == "execute_last":
-                # Opt-in late execution: the newest action, re-stamped to span [now + dt/2,
-                # now + 3dt/2], which holds exactly the next tick whatever the timer's phase.
-                dt = cfg.scheduler.dt
-                late = replace(
-                    chunk, actions=np.repeat(chunk.actions[-1:], 2, axis=0), stamp_ns=now_ns + int(dt * 0.5e9), dt=dt
-                )
-                self.scheduler.add_chunk(late, now_ns)
-                self.late_actions += 1
+            # stamped between two ticks covers no tick at all). Opt-in late execution: its last
+            # action goes to the next tick, placed when that tick comes (a timer running late,
+            # as under load, would miss any slot chosen now).
+            self._late = chunk if self.scheduler.pending == 0 and cfg.stale_chunks == "execute_last" else None
         except (ValueError, SchedulerError) as e:
             out.drops.append(("bad_chunk", str(e)))
             return
         self.chunks_in += 1
         self.got_chunk = True
         self.watchdog.chunk(now_ns)
+
+    def _place_late(self, now_ns: int) -> None:
+        """Plan the late action (``stale_chunks: execute_last``) for the tick at ``now_ns``
+        unless a fresher chunk planned it meanwhile: re-stamped to span [now - dt/2, now + dt/2],
+        which holds this tick's slot whatever the timer's phase."""
+        late, self._late = self._late, None
+        if late is None or self.scheduler.pending:
+            return
+        dt = self.config.scheduler.dt
+        stamp = now_ns - int(dt * 0.5e9)
+        late = replace(late, actions=np.repeat(np.asarray(late.actions)[-1:], 2, axis=0), stamp_ns=stamp, dt=dt)
+        # Arrival just before the new stamp: a copy says nothing about the policy's latency (the
+        # chunk itself recorded it); the rows before this tick are past and dropped.
+        self.scheduler.add_chunk(late, stamp - 1)
+        self.late_actions += 1
 
     def _motion_step(self, out: TickOutput, cmd: np.ndarray, slot: int) -> None:
         est = self.motion.update(cmd, slot)
