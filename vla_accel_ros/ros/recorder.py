@@ -188,7 +188,9 @@ class RecorderNode(Node):
             if not stamp:
                 stamp = now
                 published = int(info.get("source_timestamp", 0))
-                if 0 < published < self._subscribed_ns.get(topic, 0):  # from the publisher's history
+                # From the publisher's history. The source time is the publisher's wall clock:
+                # across machines it is only as good as their clock sync (NTP: a few ms).
+                if 0 < published < self._subscribed_ns.get(topic, 0):
                     reading = self._readings.at(published)
                     stamp = self._start if reading is None else min(now, reading)
             for s, (t, mt, d) in self._buffer.push(stamp, (topic, msgtype, data), self._rank.get(topic, 0)):
