@@ -1,4 +1,4 @@
-"""The trained bundles the package ships (bundles/transfer_cube-{ar,flow}): installed, small,
+"""The trained bundles the package ships (bundles/transfer_cube-{ar,flow,ar-reasoning,smolvla}): installed, small,
 loadable through the parity gate, and trained: on frames of the scripted expert they predict
 the expert's next actions far better than an untrained bundle of the same shape does."""
 
@@ -12,21 +12,33 @@ import torch
 
 from vla_accel_ros.core.bundle import CONFIG_FILE, SHIPPED, WEIGHTS_FILE, read_spec, shipped_bundle
 
-MAX_WEIGHTS = 16 * 2**20  # the repository carries them: fp16 and small
+MAX_WEIGHTS = 20 * 2**20  # the repository carries them: fp16 and small (the SmolVLA one 17.1 MiB)
+# Open-loop error on the held-out frames below: (at most, at least this many times below an
+# untrained bundle's). Measured: ar 0.073 vs 0.43, flow 0.028 vs 0.41; the SmolVLA bundle, a
+# weaker policy (25/100 where flow scores 81/100), 0.115 vs 0.395.
+OPEN_LOOP_BOUND = {"transfer_cube-smolvla": (0.15, 3)}
 
 
 @pytest.fixture(scope="module")
-def scripted_demo():
-    """Two held-out seeds of the scripted expert at the bundles' camera, one observation every 30 ticks."""
+def scripted_demos():
+    """``demos(name)``: two held-out seeds of the scripted expert at bundle ``name``'s cameras, one
+    observation every 30 ticks (recorded once per camera set)."""
     from vla_accel_ros.bench.eval import GraphConfigs, SimRobot, record_demos
     from vla_accel_ros.core.robot.safety import default_limits
 
     graph = GraphConfigs.load(None)
-    spec = read_spec(shipped_bundle(SHIPPED[0]))
-    robot = SimRobot("transfer_cube", tuple(spec.cameras), graph.robot, graph.sync(spec.image_size), 480, 640)  # as recorded for training
-    demos = record_demos(robot, "transfer_cube", [100007, 100008], steps=240, stride=30)  # held-out seeds
     lo, hi = (graph.safety.lower, graph.safety.upper) if graph.safety.lower else default_limits(graph.robot)
-    return demos, np.asarray(lo, np.float32), np.asarray(hi, np.float32)
+    recorded = {}
+
+    def demos(name):
+        spec = read_spec(shipped_bundle(name))
+        key = (tuple(spec.cameras), spec.image_size)
+        if key not in recorded:
+            robot = SimRobot("transfer_cube", key[0], graph.robot, graph.sync(spec.image_size), 480, 640)  # as recorded for training
+            recorded[key] = record_demos(robot, "transfer_cube", [100007, 100008], steps=240, stride=30)  # held-out seeds
+        return recorded[key], np.asarray(lo, np.float32), np.asarray(hi, np.float32)
+
+    return demos
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -39,33 +51,35 @@ def test_shipped_bundle_is_installed_small_and_documented(name):
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_shipped_bundle_passes_the_gate_and_beats_an_untrained_one(name, scripted_demo):
+def test_shipped_bundle_passes_the_gate_and_beats_an_untrained_one(name, scripted_demos):
     from vla_accel_ros.bench.eval import open_loop_error
     from vla_accel_ros.core.bundle import load_bundle
     from vla_accel_ros.core.policy_config import PolicyConfig
     from vla_accel_ros.models.factory import build_model, build_policy, load_policy
 
-    demos, lower, upper = scripted_demo
+    demos, lower, upper = scripted_demos(name)
     trained = load_policy(shipped_bundle(name), PolicyConfig(accel="cache"))  # the start-up gate runs
     assert trained.parity_report.passed
     spec = load_bundle(shipped_bundle(name)).spec
     torch.manual_seed(0)
-    untrained = build_policy(spec, build_model(spec).eval(), PolicyConfig(parity_check=False))  # same shape, fresh weights
+    untrained = build_policy(spec, build_model(spec).eval(), PolicyConfig(parity_check=False),
+                             bundle_path=str(shipped_bundle(name)))  # same shape and tokenizer, fresh weights
     got = open_loop_error(trained, demos, lower, upper)["mean_abs_rad"]
     base = open_loop_error(untrained, demos, lower, upper)["mean_abs_rad"]
     chunk = trained.infer(demos[0].frames[0][1])
     assert chunk.actions.shape == (spec.chunk_size, spec.action_dim) and np.isfinite(chunk.actions).all()
-    assert got < 0.1 and got < base / 4, (got, base)  # measured: ar 0.073 vs 0.43, flow 0.028 vs 0.41
+    most, factor = OPEN_LOOP_BOUND.get(name, (0.1, 4))
+    assert got < most and got < base / factor, (got, base)
 
 
-def test_the_shipped_reasoning_bundle_reasons_like_the_ground_truth(scripted_demo):
+def test_the_shipped_reasoning_bundle_reasons_like_the_ground_truth(scripted_demos):
     """On held-out expert frames its reasoning matches the simulator's ground truth, the
     calibration it ships is used at load, and exact reuse changes nothing."""
     from vla_accel_ros.bench.reasoning import truth_words, word_agreement
     from vla_accel_ros.core.policy_config import PolicyConfig
     from vla_accel_ros.models.factory import load_policy
 
-    demos, _, _ = scripted_demo
+    demos, _, _ = scripted_demos("transfer_cube-ar-reasoning")
     path = shipped_bundle("transfer_cube-ar-reasoning")
     greedy = load_policy(path, PolicyConfig(parity_check=False))
     memo = load_policy(path, PolicyConfig.from_dict({"parity_check": False, "memo": {"mode": "calibrated"}}))

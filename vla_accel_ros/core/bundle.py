@@ -240,7 +240,7 @@ def save_bundle(path: str | Path, spec: BundleSpec, state_dict: Mapping[str, Any
     return path
 
 
-SHIPPED = ("transfer_cube-ar", "transfer_cube-flow", "transfer_cube-ar-reasoning")  # trained bundles in the repository's bundles/
+SHIPPED = ("transfer_cube-ar", "transfer_cube-flow", "transfer_cube-ar-reasoning", "transfer_cube-smolvla")  # trained bundles in the repository's bundles/
 
 
 def shipped_bundle(name: str) -> Path:
