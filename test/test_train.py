@@ -217,7 +217,10 @@ def test_a_smolvla_trains_here_without_the_state_and_loads_as_lerobots_architect
     """``--family smolvla``: two cameras read at their own size and padded as LeRobot pads them
     (read by two processes), its own tokenizer written into the bundle, a schedule sized by
     --fit-minutes; without the state the projection stays zero, so the chunk is the same
-    whatever the state; the bundle passes the parity gate. With the state it learns from it."""
+    whatever the state; the bundle passes the parity gate. With the state it learns from it.
+    --keep-every keeps each step's weights as a bundle of their own, the tokenizer included."""
+    from safetensors.torch import load_file
+
     from vla_accel_ros.io.bag_reader import BagReader
     from vla_accel_ros.models.factory import load_policy
 
@@ -232,11 +235,17 @@ def test_a_smolvla_trains_here_without_the_state_and_loads_as_lerobots_architect
     assert main(common + ["--out", str(blind), "--no-state", "--fit-minutes", "1e-3"]) == 0
     assert "--fit-minutes 0.001: " in capsys.readouterr().err  # the probe's steps, then the fitted end
     assert (blind / "tokenizer" / "tokenizer.json").is_file()
-    assert main(common + ["--out", str(seeing), "--max-steps", "2"]) == 0
+    assert main(common + ["--out", str(seeing), "--max-steps", "2", "--keep-every", "1"]) == 0
+    kept = sorted(p.name for p in (seeing / "steps").iterdir())
+    assert kept == ["0000001", "0000002"]
+    assert (seeing / "steps" / "0000001" / "tokenizer" / "tokenizer.json").is_file()
+    last, one = (load_file(str(seeing / d / "model.safetensors")) for d in ("steps/0000002", "steps/0000001"))
+    final = load_file(str(seeing / "model.safetensors"))
+    assert all(torch.equal(final[k], last[k]) for k in final) and not all(torch.equal(final[k], one[k]) for k in final)
     with BagReader(bags[0]) as bag:
         obs = next(iter(bag.samples())).observation
     moved = type(obs)(**{**obs.__dict__, "state": np.asarray(obs.state) + 0.3})
-    for out, state_matters in ((blind, False), (seeing, True)):
+    for out, state_matters in ((blind, False), (seeing, True), (seeing / "steps" / "0000001", True)):
         policy = load_policy(out)  # the start-up gate on the trained bundle
         assert policy.spec.image_resize == "pad" and policy.spec.tokenizer == "bundle" and policy.parity_report.passed
         assert torch.count_nonzero(policy.model.state_proj.weight).item() == (0 if not state_matters else policy.model.state_proj.weight.numel())

@@ -66,6 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="processes reading the bags in parallel (default 0: in this process)")
     p.add_argument("--device", default=d.device, help="cpu or cuda")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
+    p.add_argument("--keep-every", type=int, default=d.keep_every,
+                   help="also keep a bundle of every N-th step in OUT/steps/<step> (0: none), to evaluate each")
     p.add_argument("--save-dtype", choices=("float16", "float32"), default=d.save_dtype)
     p.add_argument("--name", default="", help="bundle name (default <task>-<family>)")
     p.add_argument("--reasoning", default="", metavar="TASK",
@@ -105,7 +107,7 @@ def _train(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
         val_episodes=args.val_episodes, shift=args.shift, bf16=not args.fp32, seed=args.seed, threads=args.threads,
         loader_threads=args.loader_threads, read_workers=args.read_workers, fit_minutes=args.fit_minutes,
-        device=args.device, checkpoint_every=args.checkpoint_every,
+        device=args.device, checkpoint_every=args.checkpoint_every, keep_every=args.keep_every,
         save_dtype=args.save_dtype, name=args.name, reasoning=args.reasoning, init_from=args.init_from,
     )  # fmt: skip
     if args.train_episodes < 0:

@@ -35,10 +35,11 @@ from vla_accel_ros.models.common import siglip_pixels
 from vla_accel_ros.train.data import Batch, ChunkDataset, DataStats, Episode, compute_stats, split_episodes
 
 CHECKPOINT_DIR = "checkpoint"
+STEPS_DIR = "steps"  # --keep-every: one complete bundle per kept step, steps/<step>
 LOG_FILE = "train_log.jsonl"
 # Settings a resumed run may change (how long and where it runs, not what it learns).
-RUN_SETTINGS = ("epochs", "threads", "loader_threads", "read_workers", "device", "checkpoint_every", "max_steps", "max_minutes",
-                "fit_minutes")
+RUN_SETTINGS = ("epochs", "threads", "loader_threads", "read_workers", "device", "checkpoint_every", "keep_every", "max_steps",
+                "max_minutes", "fit_minutes")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ class TrainConfig(Config):
     )  # fmt: skip
     device: str = param("cpu", doc="torch device, e.g. cpu or cuda")
     checkpoint_every: int = param(500, doc="also checkpoint every N steps (0: only at epoch ends)", range=(0, 10_000_000))
+    keep_every: int = param(
+        0, doc="also keep a complete bundle of the weights every N steps in OUT/steps/<step> (0: none): the checkpoint "
+        "holds only the latest step, and neither it nor the validation loss tells which step acts best in the closed "
+        "loop (`vla-accel eval` each)", range=(0, 10_000_000),
+    )  # fmt: skip
     lm_type: str = param("llama", doc="decoder family of the language model", choices=("llama", "qwen2"))
     save_dtype: str = param("float16", doc="dtype of the bundle's weights on disk (loaded as float32)", choices=("float16", "float32"))
     name: str = param("", doc="bundle name ('' = <task>-<family>)")
@@ -390,6 +396,8 @@ class Trainer:
                                       f"({self.total_steps * cfg.batch_size} samples)", file=sys.stderr)  # fmt: skip
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save_checkpoint()
+                    if cfg.keep_every and self.step % cfg.keep_every == 0:
+                        self.keep_bundle()
                     limit = self._limit_reached(t0)
                     if limit:
                         self.save_checkpoint()
@@ -469,10 +477,21 @@ class Trainer:
             history=self.history,
         )  # fmt: skip
 
-    def save_bundle(self) -> Path:
-        """The trained weights as an ordinary bundle in ``out`` (config.json + model.safetensors)."""
+    def save_bundle(self, path: Path | None = None) -> Path:
+        """The trained weights as an ordinary bundle in ``path`` (default ``out``; config.json +
+        model.safetensors)."""
         from vla_accel_ros.core.bundle import save_bundle
 
         dtype = torch.float16 if self.cfg.save_dtype == "float16" else torch.float32
         weights = {k: v.detach().to("cpu", dtype) for k, v in self.model.state_dict().items()}
-        return save_bundle(self.out, self.spec, weights)
+        return save_bundle(self.out if path is None else path, self.spec, weights)
+
+    def keep_bundle(self) -> Path:
+        """This step's weights as a bundle of their own, ``out/steps/<step>``, with the run's
+        tokenizer when it brings one (a bundle is self-contained)."""
+        from vla_accel_ros.core.bundle import TOKENIZER_DIR
+
+        path = self.out / STEPS_DIR / f"{self.step:07d}"
+        if (self.out / TOKENIZER_DIR).is_dir():
+            shutil.copytree(self.out / TOKENIZER_DIR, path / TOKENIZER_DIR, dirs_exist_ok=True)
+        return self.save_bundle(path)
