@@ -74,6 +74,43 @@ def test_bench_outcomes_reads_an_older_report(tmp_path, capsys):
     assert "no 'baseline' mode" in capsys.readouterr().err
 
 
+def test_bench_outcomes_joins_halves_and_pairs_other_evaluations(tmp_path, capsys):
+    """Halves of the seeds run in two processes join into one evaluation; several evaluations
+    (other bundles, checkpoints) pair with the first one's reference mode, seed by seed."""
+
+    def report(name, grades, seed0, modes=("baseline",)):
+        d = tmp_path / name
+        d.mkdir()
+        r = {"task": "transfer_cube", "mode_order": list(modes),
+             "modes": {m: {"per_episode": _episodes(grades, seed0)} for m in modes}}  # fmt: skip
+        (d / "report.json").write_text(json.dumps(r))
+        return str(d)
+
+    ref = f"{report('ref_a', [4, 4, 2], 100, ('baseline', 'lerobot'))},{report('ref_b', [4, 0, 0], 103, ('baseline', 'lerobot'))}"
+    other = f"{report('new_a', [0, 4, 2], 100)},{report('new_b', [4, 4, 4], 103)}"
+    out = tmp_path / "side.json"
+    assert main(["bench", "outcomes", ref, other, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["mode_order"] == [f"{ref}:baseline", f"{ref}:lerobot", f"{other}:baseline"]
+    paired = result["modes"][f"{other}:baseline"]["paired_vs_baseline"]
+    assert paired["seeds"] == 6  # both halves of both evaluations
+    assert (paired["success"]["baseline_only"], paired["success"]["mode_only"]) == (1, 2)  # seed 100; 104, 105
+    assert result["modes"][f"{other}:baseline"]["stages"][-1]["reached"] == 4
+    assert f"against {ref}:baseline" in text
+    # LeRobot's runtime as the reference
+    assert main(["bench", "outcomes", ref, other, "--reference", "lerobot"]) == 0
+    assert f"against {ref}:lerobot" in capsys.readouterr().out
+    for argv, message in (
+        ([ref, other, "--reference", "cache"], "has no 'cache' mode"),
+        ([f"{ref},{report('again', [4], 101, ('baseline', 'lerobot'))}"], "repeats seeds [101]"),
+        ([f"{ref},{other}"], "part 3 ran modes baseline"),
+        ([ref, report("far", [4], 900)], "shares no seed with"),
+    ):
+        assert main(["bench", "outcomes", *argv]) == 2
+        assert message in capsys.readouterr().err, argv
+
+
 @pytest.mark.parametrize("family", ["flow", "ar"])
 def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
     out = tmp_path / "report"

@@ -118,3 +118,55 @@ def with_outcomes(result: dict[str, Any], baseline: str = "baseline") -> dict[st
             m["paired_vs_baseline"] = paired_vs_baseline(result["modes"][baseline]["per_episode"], eps, task)
         modes[name] = m
     return {**result, "modes": modes}
+
+
+def join_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One evaluation run in parts (e.g. halves of the seeds in two processes, one core each): the
+    parts' ``per_episode`` records joined mode by mode. The parts must grade the same task and
+    the same modes on disjoint seeds; a single part is returned as it is."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    first = parts[0]
+    modes: dict[str, list] = {n: [] for n in first["modes"]}
+    for i, part in enumerate(parts):
+        if part["task"] != first["task"]:
+            raise ValueError(f"part {i + 1} grades task {part['task']!r}, part 1 {first['task']!r}")
+        if set(part["modes"]) != set(modes):
+            raise ValueError(f"part {i + 1} ran modes {', '.join(part['modes'])}, part 1 {', '.join(modes)}")
+        for name, m in part["modes"].items():
+            eps = m.get("per_episode")
+            if eps is None:
+                raise ValueError(f"part {i + 1}, mode {name!r} has no per_episode records: not an eval report")
+            seen = {e["seed"] for e in modes[name]}
+            again = sorted(e["seed"] for e in eps if e["seed"] in seen)
+            if again:
+                raise ValueError(f"part {i + 1} repeats seeds {again[:5]} of mode {name!r}: parts must run disjoint seeds")
+            modes[name] += eps
+    order = first.get("mode_order", list(modes))
+    return {"task": first["task"], "mode_order": order, "modes": {n: {"per_episode": modes[n]} for n in order}}
+
+
+def side_by_side(evaluations: Sequence[tuple[str, Mapping[str, Any]]], reference: str = "baseline") -> dict[str, Any]:
+    """Evaluations on the same seeds of other bundles, checkpoints or settings (``(label,
+    report)``, each report possibly :func:`join_parts`' result) as one report whose modes are
+    ``label:mode``, with :func:`with_outcomes` pairing each with the first evaluation's
+    ``reference`` mode (e.g. ``lerobot``: LeRobot's runtime as the success reference)."""
+    label0, first = evaluations[0]
+    if reference not in first["modes"]:
+        raise ValueError(f"the first evaluation ({label0}) has no {reference!r} mode (modes: {', '.join(first['modes'])})")
+    tasks = {r["task"] for _, r in evaluations}
+    if len(tasks) > 1:
+        raise ValueError(f"the evaluations grade different tasks: {', '.join(sorted(tasks))}")
+    seeds = {e["seed"] for e in first["modes"][reference]["per_episode"]}
+    modes: dict[str, Any] = {}
+    for label, r in evaluations:
+        if not any(e["seed"] in seeds for m in r["modes"].values() for e in m["per_episode"]):
+            raise ValueError(f"{label} shares no seed with {label0}: nothing to pair (`vla-accel eval --seed`)")
+        for name in r.get("mode_order", r["modes"]):
+            key = f"{label}:{name}"
+            if key in modes:
+                raise ValueError(f"{key} is given twice")
+            modes[key] = {"per_episode": r["modes"][name]["per_episode"]}
+    ref = f"{label0}:{reference}"
+    order = [ref, *(k for k in modes if k != ref)]
+    return with_outcomes({"task": first["task"], "mode_order": order, "modes": {k: modes[k] for k in order}}, baseline=ref)

@@ -56,13 +56,19 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     lr.add_argument("--report", type=Path, required=True, help="directory for report.json, report.md, latency.png")
     lr.set_defaults(func=_lerobot)
     o = command(
-        bsub, "outcomes", "task stages reached and paired comparisons of an eval report's modes (no simulation)",
-        "vla-accel bench outcomes artifacts/reports/eval-flow-trained --json outcomes.json",
-        details="Reads an eval report (report.json or its directory) and prints, per mode, the share of "
-        "episodes that reached each task stage and, against the baseline on the same seeds, the seeds only one of "
-        "them reached it on with the exact McNemar p-value. Works on reports written before these fields existed.",
+        bsub, "outcomes", "task stages reached and paired comparisons of eval reports' modes (no simulation)",
+        "vla-accel bench outcomes evC_a,evC_b evF_a,evF_b --reference baseline",
+        details="Reads eval reports (report.json or its directory) and prints, per mode, the share of episodes that "
+        "reached each task stage and, against the reference mode on the same seeds, the seeds only one of them "
+        "reached it on with the exact McNemar p-value. A,B joins reports of one evaluation run in parts (halves of "
+        "the seeds in parallel processes); several REPORTs (other bundles, checkpoints, settings on the same seeds) "
+        "are compared as REPORT:MODE against the first one's reference mode. Works on reports written before these "
+        "fields existed.",
     )  # fmt: skip
-    o.add_argument("report", type=Path, help="eval report directory or its report.json")
+    o.add_argument("reports", nargs="+", metavar="REPORT[,PART...]",
+                   help="eval report directory or its report.json; comma-joined: the parts of one evaluation")
+    o.add_argument("--reference", default="baseline", metavar="MODE",
+                   help="the (first report's) mode every other is paired with, e.g. lerobot (default baseline)")
     o.add_argument("--json", type=Path, help="also write the report with these fields added here")
     o.set_defaults(func=_outcomes)
 
@@ -114,19 +120,33 @@ def _engine(args: argparse.Namespace) -> int:
 
 def _outcomes(args: argparse.Namespace) -> int:
     from vla_accel_ros.bench.eval_report import paired_rows, stage_rows
-    from vla_accel_ros.bench.outcomes import with_outcomes
+    from vla_accel_ros.bench.outcomes import join_parts, side_by_side, with_outcomes
     from vla_accel_ros.bench.report import _text_table, json_safe
     from vla_accel_ros.core.errors import ConfigError
 
-    path = args.report / "report.json" if args.report.is_dir() else args.report
-    if not path.is_file():
-        raise ConfigError(f"report {args.report}: no report.json there")
     check_output(args.json)
+    evaluations = []
+    for entry in args.reports:
+        parts = []
+        for part in (p for p in entry.split(",") if p):
+            path = Path(part) / "report.json" if Path(part).is_dir() else Path(part)
+            if not path.is_file():
+                raise ConfigError(f"report {part}: no report.json there")
+            parts.append(json.loads(path.read_text()))
+        if not parts:
+            raise ConfigError(f"report {entry!r}: names no report")
+        evaluations.append((entry, parts))
     try:
-        result = with_outcomes(json.loads(path.read_text()))
+        joined = [(label, join_parts(parts)) for label, parts in evaluations]
+        if len(joined) == 1:
+            result = with_outcomes(joined[0][1], baseline=args.reference)
+        else:
+            result = side_by_side(joined, reference=args.reference)
     except (ValueError, KeyError) as e:
-        raise ConfigError(f"report {path}: {e}") from None
+        raise ConfigError(f"reports {' '.join(args.reports)}: {e}") from None
     print(_text_table(*stage_rows(result)))
+    if len(joined) > 1 or args.reference != "baseline":
+        print(f"against {result['mode_order'][0]}, seed by seed: seeds only it reached a stage on / only the mode (McNemar p)")
     print(_text_table(*paired_rows(result)))
     if args.json:
         args.json.write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n")
