@@ -101,6 +101,9 @@ def test_bench_outcomes_joins_halves_and_pairs_other_evaluations(tmp_path, capsy
     # LeRobot's runtime as the reference
     assert main(["bench", "outcomes", ref, other, "--reference", "lerobot"]) == 0
     assert f"against {ref}:lerobot" in capsys.readouterr().out
+    assert main(["bench", "outcomes", ref, "--reference", "lerobot"]) == 0
+    text = capsys.readouterr().out
+    assert text.split("against lerobot, seed by seed")[1].count("\nbaseline ") == 1  # the baseline, paired with LeRobot
     for argv, message in (
         ([ref, other, "--reference", "cache"], "has no 'cache' mode"),
         ([f"{ref},{report('again', [4], 101, ('baseline', 'lerobot'))}"], "repeats seeds [101]"),

@@ -139,14 +139,15 @@ def _outcomes(args: argparse.Namespace) -> int:
     try:
         joined = [(label, join_parts(parts)) for label, parts in evaluations]
         if len(joined) == 1:
-            result = with_outcomes(joined[0][1], baseline=args.reference)
+            result, reference = with_outcomes(joined[0][1], baseline=args.reference), args.reference
         else:
             result = side_by_side(joined, reference=args.reference)
+            reference = result["mode_order"][0]
     except (ValueError, KeyError) as e:
         raise ConfigError(f"reports {' '.join(args.reports)}: {e}") from None
     print(_text_table(*stage_rows(result)))
     if len(joined) > 1 or args.reference != "baseline":
-        print(f"against {result['mode_order'][0]}, seed by seed: seeds only it reached a stage on / only the mode (McNemar p)")
+        print(f"against {reference}, seed by seed: seeds only it reached a stage on / only the mode (McNemar p)")
     print(_text_table(*paired_rows(result)))
     if args.json:
         args.json.write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n")
