@@ -78,11 +78,15 @@ def test_bench_outcomes_joins_halves_and_pairs_other_evaluations(tmp_path, capsy
     """Halves of the seeds run in two processes join into one evaluation; several evaluations
     (other bundles, checkpoints) pair with the first one's reference mode, seed by seed."""
 
-    def report(name, grades, seed0, modes=("baseline",)):
+    def report(name, grades, seed0, modes=("baseline",), policy=None):
         d = tmp_path / name
         d.mkdir()
         r = {"task": "transfer_cube", "mode_order": list(modes),
              "modes": {m: {"per_episode": _episodes(grades, seed0)} for m in modes}}  # fmt: skip
+        if policy is not None:  # what eval reports record: each mode's policy configuration
+            r["modes"]["baseline"]["policy_config"] = {"seed": seed0, "accel": "none", **policy}
+        if "lerobot" in modes:  # the lerobot mode records LeRobot's worker: its checkpoint is per part
+            r["modes"]["lerobot"]["policy_config"] = {"lerobot": f"{name}/lerobot", "threads": 1, "load_s": seed0 / 100}
         (d / "report.json").write_text(json.dumps(r))
         return str(d)
 
@@ -109,9 +113,14 @@ def test_bench_outcomes_joins_halves_and_pairs_other_evaluations(tmp_path, capsy
         ([f"{ref},{report('again', [4], 101, ('baseline', 'lerobot'))}"], "repeats seeds [101]"),
         ([f"{ref},{other}"], "part 3 ran modes baseline"),
         ([ref, report("far", [4], 900)], "shares no seed with"),
+        # parts of one run share its settings (the noise seed apart); a field a report predates is its default
+        ([f"{report('n0_a', [4], 100, policy={'flow_noise_scale': 0.0})},{report('n1_b', [4], 103, policy={})}"],
+         "part 2 ran other settings than part 1 (baseline policy: flow_noise_scale 0.0 / 1.0)"),
     ):
         assert main(["bench", "outcomes", *argv]) == 2
         assert message in capsys.readouterr().err, argv
+    same = f"{report('s_a', [4], 100, policy={'flow_noise_scale': 1.0})},{report('s_b', [0], 103, policy={})}"
+    assert main(["bench", "outcomes", same]) == 0
 
 
 @pytest.mark.parametrize("family", ["flow", "ar"])
@@ -342,6 +351,22 @@ def test_an_episodes_noise_depends_on_its_seed_not_on_where_the_run_started(tiny
     assert long_run and len(long_run) == len(alone)
     assert all(np.array_equal(a, b) for a, b in zip(long_run, alone))
     assert not np.array_equal(long_run[0], other[0])  # and seeds differ from one another
+
+
+def test_the_noise_scale_reaches_the_policy_and_a_bad_one_is_refused_by_its_flag(tiny_bundles, tmp_path, capsys):
+    """--noise-scale is the policy's flow_noise_scale in every mode (recorded in the report);
+    out of range it is refused, named as the flag, before anything runs."""
+    from vla_accel_ros.bench import eval as ev
+
+    cfg = ev.EvalConfig(bundle=tiny_bundles["flow"], episodes=1, steps=4, modes=("baseline", "cache"), parity_check=False,
+                        num_threads=1, open_loop_episodes=0, height=120, width=160, noise_scale=0.0)  # fmt: skip
+    result = ev.run_eval(cfg, progress=False)
+    assert {m["policy_config"]["flow_noise_scale"] for m in result["modes"].values()} == {0.0}
+    argv = ["eval", "--bundle", str(tiny_bundles["flow"]), "--episodes", "1", "--report", str(tmp_path / "r"),
+            "--noise-scale", "-0.5"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--noise-scale: PolicyConfig.flow_noise_scale=-0.5 is out of range" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_mode_the_gate_refuses_is_reported_and_the_others_run(tmp_path):

@@ -75,6 +75,26 @@ def test_flow_noise_makes_it_deterministic(tiny_policies):
     assert np.abs(a - ref).max() <= 1e-4
 
 
+def test_flow_noise_scale_multiplies_the_start_and_zero_makes_chunks_deterministic(tiny_bundles):
+    from vla_accel_ros.core.errors import ConfigError
+    from vla_accel_ros.core.policy_config import PolicyConfig
+    from vla_accel_ros.models.factory import load_policy
+
+    policy = load_policy(tiny_bundles["flow"], PolicyConfig(parity_check=False))
+    obs = _obs(policy.spec)
+    noise = np.random.default_rng(0).standard_normal(policy.noise_shape).astype(np.float32)
+    half = policy.infer(obs, noise=0.5 * noise).actions
+    assert policy.configure(PolicyConfig(parity_check=False, flow_noise_scale=0.5)) is False  # the planner stays
+    assert np.array_equal(policy.infer(obs, noise=noise).actions, half)  # scaled after the caller's draw
+    policy.configure(PolicyConfig(parity_check=False, flow_noise_scale=0.0))
+    a, b = policy.infer(obs, noise=noise).actions, policy.infer(obs, noise=noise + 1.0).actions
+    assert np.array_equal(a, b) and np.abs(a - half).max() > 1e-4
+    # The reference path starts from the same (scaled) noise: the gate compares like with like.
+    assert np.abs(policy.reference_infer(obs, noise=noise).actions - a).max() <= 1e-4
+    with pytest.raises(ConfigError, match="flow_noise_scale"):
+        PolicyConfig(flow_noise_scale=-1.0)
+
+
 def test_flow_prefix_not_recomputed_during_denoising(tiny_policies):
     """The prefix K/V is computed once per observation: no VLM projection runs in the Euler
     loop, the prefix rows of the cache are bit-identical before and after it, and the expert

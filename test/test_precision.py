@@ -125,6 +125,32 @@ def test_each_precision_loads_infers_and_is_gated(models, family, precision):
         build_policy(spec, model, PolicyConfig.from_dict({"precision": {**overrides, **bad}}))
 
 
+def test_the_precision_gate_samples_the_fp32_reference_at_the_policys_noise_scale(models):
+    """A reduced-precision flow policy run with deterministic chunks is gated against an fp32
+    reference sampled the same way (against one sampled at noise 1 every precision failed, fp32
+    on another backend too); changing the scale at run time gates at the reference's scale."""
+    from vla_accel_ros.core.parity import run_parity
+
+    spec, model = models["flow"]
+    noisy = build_policy(spec, model, _config("flow", **preset("bf16")))
+    quiet = build_policy(spec, model, _config("flow", **preset("bf16")).replace(flow_noise_scale=0.0))
+    assert quiet.parity_report.passed, quiet.parity_report.table()
+    assert quiet.fp32_reference.noise_scale == 0.0 and noisy.fp32_reference.noise_scale == 1.0
+    # the deviations are precision's alone, at both scales
+    for p in (noisy, quiet):
+        assert max(v for k, v in p.parity_report.metrics.items() if k.endswith("max_over_std")) <= 0.02
+    # siblings at two scales sharing converted weights each get a reference of their own scale
+    converted: dict = {}
+    base = build_policy(spec, model, PolicyConfig(parity_check=False))
+    a = sibling_policy(base, _config("flow", lm="bf16"), converted=converted)
+    b = sibling_policy(base, _config("flow", lm="bf16").replace(flow_noise_scale=0.0), converted=converted)
+    assert (a.fp32_reference.noise_scale, b.fp32_reference.noise_scale) == (1.0, 0.0)
+    a.configure(a.config.replace(flow_noise_scale=0.0))  # run-time change: the gate keeps the reference's scale
+    again = run_parity(a)
+    assert again.passed, again.table()
+    assert again.metrics == pytest.approx(a.parity_report.metrics) and a.config.flow_noise_scale == 0.0
+
+
 def test_ar_token_share_limit_fails_on_flipped_tokens(models):
     spec, model = models["ar"]
     policy = build_policy(spec, model, _config("ar", lm="bf16"))

@@ -267,6 +267,11 @@ def test_the_gate_bounds_pruning_by_the_policys_own_sampling_spread(tiny_bundles
     strict = run_parity(policy)
     assert any(f.startswith("prune_over_sampling_spread=") for f in strict.failures), strict.table()
     assert any("as far as new noise does" in n for n in strict.notes)
+    # Deterministic sampling (noise scale 0) is held to the trained sampler's spread, not to 0.
+    policy.configure(policy.config.replace(parity_tolerance_prune=1.0, flow_noise_scale=0.0))
+    still = run_parity(policy)
+    assert still.metrics["sampling_spread_mean_abs_norm"] == pytest.approx(m["sampling_spread_mean_abs_norm"])
+    assert still.passed and policy.config.flow_noise_scale == 0.0, still.table()
 
 
 def test_the_shipped_trained_flow_policy_refuses_default_pruning():

@@ -86,6 +86,7 @@ class EvalConfig:
     parity_check: bool = True
     num_threads: int = 0
     flow_steps: int = 0
+    noise_scale: float = 1.0  # flow: PolicyConfig.flow_noise_scale of every mode (lerobot's too)
     cache_overrides: dict[str, Any] = field(default_factory=dict)
     prune_overrides: dict[str, Any] = field(default_factory=dict)
     precision_overrides: dict[str, Any] = field(default_factory=dict)  # gate limits of the @precision modes
@@ -116,6 +117,10 @@ class EvalConfig:
             raise ConfigError(f"--latency {self.latency!r} is not one of {', '.join(LATENCY_MODELS)}")
         if self.stream_every < 1 or self.pipeline_depth < 0 or self.pipeline_steps < 0:
             raise ConfigError("--stream-every must be >= 1 and --pipeline-depth / --pipeline-steps >= 0")
+        try:
+            PolicyConfig(flow_noise_scale=self.noise_scale)  # its range, named as the flag
+        except ConfigError as e:
+            raise ConfigError(f"--noise-scale: {e}") from None
         if self.open_loop_episodes < 0 or self.open_loop_stride < 1:
             raise ConfigError("--open-loop-episodes must be >= 0 and --open-loop-stride >= 1")
         if not Path(self.bundle).exists():
@@ -583,7 +588,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
     if LEROBOT in names:
         from vla_accel_ros.bench.lerobot_eval import lerobot_run
 
-        runs.insert(names.index(LEROBOT), lerobot_run(cfg.bundle, spec, cfg.lerobot, cfg.lerobot_python, cfg.num_threads))
+        runs.insert(names.index(LEROBOT), lerobot_run(cfg.bundle, spec, cfg.lerobot, cfg.lerobot_python, cfg.num_threads, cfg.noise_scale))
     lo, hi = (graph.safety.lower, graph.safety.upper) if graph.safety.lower else default_limits(graph.robot)
     demos = record_demos(robot, cfg.task, seeds[: cfg.open_loop_episodes], cfg.steps, cfg.open_loop_stride)
     modes: dict[str, Any] = {}

@@ -25,8 +25,9 @@ DOC = "LeRobot's own runtime (its checkpoint, processors and predict_action_chun
 class LeRobotProxy:
     """The policy interface the closed loop calls, answered by LeRobot's worker process."""
 
-    def __init__(self, spec, worker, cameras: dict[str, str], noise_shape: tuple[int, int]) -> None:
+    def __init__(self, spec, worker, cameras: dict[str, str], noise_shape: tuple[int, int], noise_scale: float = 1.0) -> None:
         self.spec, self.worker, self.cameras, self.noise_shape = spec, worker, cameras, noise_shape
+        self.noise_scale = noise_scale  # our policies' flow_noise_scale, applied to the noise LeRobot is given
         self._chunk_id = 0
 
     def infer(self, obs, *, noise: np.ndarray | None = None, guidance=None) -> ActionChunk:
@@ -35,7 +36,8 @@ class LeRobotProxy:
                               "has none here): evaluate it with the scheduler's rtc off")  # fmt: skip
         if noise is None:
             noise = np.random.default_rng().standard_normal(self.noise_shape).astype(np.float32)
-        actions, ms, stages = self.worker.run(obs, self.cameras, np.asarray(noise, np.float32))
+        noise = np.asarray(noise, np.float32) * np.float32(self.noise_scale)
+        actions, ms, stages = self.worker.run(obs, self.cameras, noise)
         self._chunk_id += 1
         return ActionChunk(
             actions=np.asarray(actions, np.float32), stamp_ns=obs.stamp_ns, dt=self.spec.dt, chunk_id=self._chunk_id,
@@ -52,7 +54,7 @@ class LeRobotProxy:
         self.worker.close()
 
 
-def lerobot_run(bundle_path: Path, spec, lerobot: Path, python: Path, threads: int) -> ModeRun:
+def lerobot_run(bundle_path: Path, spec, lerobot: Path, python: Path, threads: int, noise_scale: float = 1.0) -> ModeRun:
     """The ``lerobot`` mode's run over LeRobot's checkpoint ``lerobot`` (the bundle's, e.g. its
     ``bundle export-lerobot``), LeRobot started in ``python``."""
     from vla_accel_ros.bench.lerobot_bench import LeRobotWorker, camera_map
@@ -64,4 +66,6 @@ def lerobot_run(bundle_path: Path, spec, lerobot: Path, python: Path, threads: i
     width = (spec.options or {}).get("max_action_dim", LeRobotOptions().max_action_dim)
     shape = (spec.chunk_size, int(width))
     config = {"lerobot": str(lerobot), "python": str(python), "threads": threads or 1, **worker.info}
-    return ModeRun(LEROBOT, Mode({}, doc=DOC), LeRobotProxy(spec, worker, cameras, shape), config)
+    if noise_scale != 1.0:
+        config["noise_scale"] = noise_scale
+    return ModeRun(LEROBOT, Mode({}, doc=DOC), LeRobotProxy(spec, worker, cameras, shape, noise_scale), config)

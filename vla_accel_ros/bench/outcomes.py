@@ -133,6 +133,9 @@ def join_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"part {i + 1} grades task {part['task']!r}, part 1 {first['task']!r}")
         if set(part["modes"]) != set(modes):
             raise ValueError(f"part {i + 1} ran modes {', '.join(part['modes'])}, part 1 {', '.join(modes)}")
+        differ = _settings_differ(first, part)
+        if differ:
+            raise ValueError(f"part {i + 1} ran other settings than part 1 ({differ}): not parts of one run")
         for name, m in part["modes"].items():
             eps = m.get("per_episode")
             if eps is None:
@@ -144,6 +147,39 @@ def join_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             modes[name] += eps
     order = first.get("mode_order", list(modes))
     return {"task": first["task"], "mode_order": order, "modes": {n: {"per_episode": modes[n]} for n in order}}
+
+
+def _settings_differ(first: Mapping[str, Any], part: Mapping[str, Any]) -> str:
+    """The settings two parts of one run must share (bundle, episode length, scheduler, each
+    mode's policy configuration but its noise seed), as "what: a / b"; "" when they agree.
+    Reports without a setting (older ones) are not held to it; a policy field a report predates
+    counts as its default. The lerobot mode's record is LeRobot's worker (its checkpoint, load
+    time: per part); of it, the threads and the noise scale are settings."""
+    from vla_accel_ros.core.policy_config import PolicyConfig
+
+    defaults = PolicyConfig().to_dict()
+
+    def policy(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        if config is None:
+            return None
+        if "accel" not in config:  # not a PolicyConfig: the lerobot mode's worker
+            return {"threads": config.get("threads"), "noise_scale": config.get("noise_scale", 1.0)}
+        return {k: v for k, v in {**defaults, **config}.items() if k != "seed"}
+
+    def settings(r: Mapping[str, Any]) -> dict[str, Any]:
+        out = {"bundle": (r.get("bundle") or {}).get("path"), "steps": r.get("steps"), "scheduler": r.get("scheduler")}
+        for name, m in r.get("modes", {}).items():
+            out[f"{name} policy"] = policy(m.get("policy_config"))
+        return out
+
+    a, b = settings(first), settings(part)
+    for key in a:
+        if a[key] is not None and b.get(key) is not None and a[key] != b[key]:
+            if isinstance(a[key], dict):
+                diff = sorted(k for k in {*a[key], *b[key]} if a[key].get(k) != b[key].get(k))
+                return f"{key}: " + ", ".join(f"{k} {a[key].get(k)!r} / {b[key].get(k)!r}" for k in diff)
+            return f"{key}: {a[key]!r} / {b[key]!r}"
+    return ""
 
 
 def side_by_side(evaluations: Sequence[tuple[str, Mapping[str, Any]]], reference: str = "baseline") -> dict[str, Any]:

@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--params", type=Path, default=None, help="the graph's parameter file (default: config/aloha.yaml)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--flow-steps", type=int, default=0, help="flow: Euler steps per chunk (0: the bundle's)")
+    p.add_argument("--noise-scale", type=float, default=1.0,
+                   help="flow: multiple of the Gaussian noise every chunk starts from, in every mode (lerobot's too); "
+                   "1: the trained sampler, 0: deterministic chunks")  # fmt: skip
     add_override_flags(p, "cache", "prune", "precision")
     p.add_argument(
         "--scheduler", action="append", default=[], metavar="FIELD=VALUE",
@@ -80,7 +83,7 @@ def _eval(args: argparse.Namespace) -> int:
         lerobot=args.lerobot, lerobot_python=args.lerobot_python,
         seed=args.seed, steps=args.steps, latency=args.latency, open_loop_episodes=args.open_loop_episodes,
         open_loop_stride=args.open_loop_stride, params=args.params, parity_check=not args.no_parity,
-        num_threads=args.threads, flow_steps=args.flow_steps, cache_overrides=overrides(args, "cache"),
+        num_threads=args.threads, flow_steps=args.flow_steps, noise_scale=args.noise_scale, cache_overrides=overrides(args, "cache"),
         prune_overrides=overrides(args, "prune"), precision_overrides=overrides(args, "precision"),
         scheduler_overrides=parse_overrides(args.scheduler, "--scheduler"), height=args.height, width=args.width,
         pipeline_depth=args.pipeline_depth, pipeline_steps=args.pipeline_steps, stream_every=args.stream_every,

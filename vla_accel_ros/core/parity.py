@@ -137,6 +137,7 @@ class Fp32Reference:
     observations: tuple[Observation, Observation]
     noise: np.ndarray | None
     chunks: tuple[ActionChunk, ActionChunk]
+    noise_scale: float = 1.0  # the fp32 policy's flow_noise_scale: the chunks were sampled at it
 
 
 def fp32_reference(fp32_policy, seed: int = 1234, observations=None) -> Fp32Reference:
@@ -144,7 +145,8 @@ def fp32_reference(fp32_policy, seed: int = 1234, observations=None) -> Fp32Refe
     same bundle; it may be dropped afterwards)."""
     frames = gate_frames(fp32_policy.spec, seed, observations)
     noise = gate_noise(fp32_policy, seed)
-    return Fp32Reference(frames, noise, tuple(fp32_policy.reference_infer(o, noise=noise) for o in frames))
+    chunks = tuple(fp32_policy.reference_infer(o, noise=noise) for o in frames)
+    return Fp32Reference(frames, noise, chunks, fp32_policy.config.flow_noise_scale)
 
 
 def _check_precision(report: ParityReport, name: str, policy, got: ActionChunk, ref: ActionChunk) -> None:
@@ -179,6 +181,11 @@ def run_parity(
     spec, cfg = policy.spec, policy.config
     accel_tolerance = cfg.parity_tolerance_accel if accel_tolerance is None else accel_tolerance
     fp32 = getattr(policy, "fp32_reference", None)
+    if fp32 is not None and fp32.noise_scale != cfg.flow_noise_scale:
+        # The noise scale changed since the reference was sampled (a run-time parameter):
+        # precision is compared at the reference's, not across two samplers.
+        with _noise_scale(policy, fp32.noise_scale):
+            return run_parity(policy, tolerance, seed, accel_tolerance, observations, on_step)
     if fp32 is not None:
         (obs, second), noise = fp32.observations, fp32.noise
     else:
@@ -237,6 +244,17 @@ def _full_recompute(policy):
         planner.reset("external prefix write")
 
 
+@contextlib.contextmanager
+def _noise_scale(policy, scale: float):
+    """``policy`` sampling at noise ``scale`` for a while (its configuration restored after)."""
+    config = policy.config
+    policy.config = config.replace(flow_noise_scale=scale)
+    try:
+        yield
+    finally:
+        policy.config = config
+
+
 def _check_prune_spread(policy, obs: Observation, noise: np.ndarray, pruned: np.ndarray, report: ParityReport) -> None:
     """A flow policy's pruned first frame (nothing reused yet: pruning alone) against the
     policy's own sampling spread on that frame, both measured on the policy's own full
@@ -245,10 +263,16 @@ def _check_prune_spread(policy, obs: Observation, noise: np.ndarray, pruned: np.
     as new noise does (the task's frames) and lost the task in closed loop at every setting
     tried, while passing the absolute bound; on random weights the spread is wide."""
     other = np.random.default_rng(_SPREAD_SEED).standard_normal(noise.shape).astype(np.float32)
+    trained = policy.config.flow_noise_scale == 1.0
     with _full_recompute(policy):
-        a, b = (_normalized(policy, policy.infer(obs, noise=n).actions) for n in (noise, other))
+        a = _normalized(policy, policy.infer(obs, noise=noise).actions)
+        # The spread is the trained sampler's (noise scale 1) whatever flow_noise_scale runs:
+        # a policy run with less noise is no less uncertain, and at 0 it would be 0.
+        with _noise_scale(policy, 1.0):
+            a1 = a if trained else _normalized(policy, policy.infer(obs, noise=noise).actions)
+            b = _normalized(policy, policy.infer(obs, noise=other).actions)
     moved = float(np.abs(_normalized(policy, pruned) - a).mean())
-    spread = float(np.abs(a - b).mean())
+    spread = float(np.abs(a1 - b).mean())
     report.metrics["prune_first_frame_mean_abs_norm"] = moved
     report.metrics["sampling_spread_mean_abs_norm"] = spread
     if not (np.isfinite(spread) and spread > 0):

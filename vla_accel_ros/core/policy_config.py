@@ -60,6 +60,13 @@ class PolicyConfig(Config):
         read_only=True,
     )
     flow_steps: int = param(0, doc="flow: Euler steps per chunk (0: the bundle's num_steps)", range=(0, 1000))
+    flow_noise_scale: float = param(
+        1.0,
+        doc="flow: the integration starts from this multiple of the Gaussian noise (1: the trained sampler; "
+        "0: one deterministic chunk per observation, so consecutive chunks do not re-draw among the ways "
+        "the policy could act)",
+        range=(0.0, 2.0),
+    )
     seed: int = param(0, doc="seed of the flow noise when the caller passes none", range=(0, 2**31 - 1))
     cache: CacheConfig = CacheConfig()  # accel=cache / cache+prune: the token cache's knobs (ROS: cache.*)
     prune: PruneConfig = PruneConfig()  # accel=prune / cache+prune: the pruning knobs (ROS: prune.*)

@@ -122,7 +122,7 @@ _INSTANCES = itertools.count()
 # built for a precision and compile switch.
 _FIXED = ("parity_check", "num_threads", "malloc_keep_mb", "seed", *(f"precision.{c}" for c in (*COMPONENTS, "compile", "backend")))
 # Fields that do not change how the prefix is planned: changing them keeps the planner's caches.
-_NOT_PLANNER = {"flow_steps", "parity_tolerance", "precision", "memo", "action_draft", *_FIXED}
+_NOT_PLANNER = {"flow_steps", "flow_noise_scale", "parity_tolerance", "precision", "memo", "action_draft", *_FIXED}
 MOTION_MODES = tuple(MODE_NAMES.values())
 
 

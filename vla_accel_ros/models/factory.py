@@ -240,13 +240,17 @@ def build_policy(
             if fp32_ref is None:
                 # One fp32 reference per gate frames for the policies sharing ``converted``
                 # (a replay's modes): at full size it is two fp32 reference inferences each.
+                # The reference samples as the policy does (its noise scale): the gate compares
+                # precision, not two samplers.
+                scale = config.flow_noise_scale
                 kept = converted.get("fp32_reference")
-                if kept is not None and kept[0] is gate_observations:
+                if kept is not None and kept[0] is gate_observations and kept[2] == scale:
                     fp32_ref = kept[1]
                 else:
-                    fp32 = family.make_policy(spec, model, PolicyConfig(parity_check=False), None, bundle_path=bundle_path)
+                    ref_config = PolicyConfig(parity_check=False, flow_noise_scale=scale)
+                    fp32 = family.make_policy(spec, model, ref_config, None, bundle_path=bundle_path)
                     fp32_ref = fp32_reference(fp32, observations=gate_observations)
-                    converted["fp32_reference"] = (gate_observations, fp32_ref)
+                    converted["fp32_reference"] = (gate_observations, fp32_ref, scale)
             policy.fp32_reference = fp32_ref
         report = run_parity(policy, tolerance=config.parity_tolerance, observations=gate_observations)
         if report.passed:

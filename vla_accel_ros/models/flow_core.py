@@ -240,7 +240,9 @@ class FlowCore(PolicyBase):
         noise = np.asarray(noise, dtype=np.float32)
         if noise.shape != shape:
             raise ObservationError(f"noise has shape {list(noise.shape)}, expected {list(shape)}")
-        return torch.from_numpy(noise.copy())[None]  # [1, H, D]
+        # Scaled here, after the caller's draw, so a given noise (the eval's per-chunk stream, the
+        # gate's) means the same with any scale and the reference and engine paths see one start.
+        return torch.from_numpy(noise * np.float32(self.config.flow_noise_scale))[None]  # [1, H, D]
 
     def expert_plan(self, length: int) -> StepPlan:
         """The expert pass's plan over a prefix of ``length`` slots: the chunk's rows after it.
