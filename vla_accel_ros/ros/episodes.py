@@ -54,7 +54,7 @@ class _Watcher:
         self.node = Node("vla_eval_watcher", context=self.context, namespace=namespace or None)
         # Keep every outcome even when this thread falls behind: an episode missed is a run that never ends.
         self.node.create_subscription(Bool, relative(TopicLayout().success_topic), self._outcome, qos.RELIABLE)
-        self.node.create_subscription(InferenceStats, INFERENCE_STATS, self._stats, qos.RELIABLE)
+        self.node.create_subscription(InferenceStats, INFERENCE_STATS, self._stats, qos.STATS)
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         self.halt = threading.Event()

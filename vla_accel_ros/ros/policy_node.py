@@ -102,7 +102,7 @@ class PolicyNode(Node):
         )
         self.create_service(Trigger, graph.RESET_EPISODE, self._on_reset_episode, callback_group=control)
         self._chunk_pub = self.create_publisher(ActionChunkMsg, graph.ACTION_CHUNK, qos.RELIABLE)
-        self._stats_pub = self.create_publisher(InferenceStats, graph.INFERENCE_STATS, qos.RELIABLE)
+        self._stats_pub = self.create_publisher(InferenceStats, graph.INFERENCE_STATS, qos.STATS)
         self._stamp_pub = self.create_publisher(Header, graph.OBSERVATION_STAMP, qos.RELIABLE)
         self._ready_pub = self.create_publisher(Bool, graph.READY, qos.LATCHED)
         self._diag_pub = self.create_publisher(DiagnosticArray, graph.DIAGNOSTICS, qos.RELIABLE)

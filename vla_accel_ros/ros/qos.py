@@ -4,7 +4,8 @@
 | ------------------------------- | ----------------------------------------- |
 | camera frames, joint states in  | sensor data: best effort, keep last 5     |
 | observations (camera -> policy) | reliable, keep last 1 (latest-only)       |
-| chunks, requests, stamps, stats | reliable, keep last 10                    |
+| chunks, requests, stamps        | reliable, keep last 10                    |
+| inference stats                 | reliable, transient local, keep last 10   |
 | instruction, e-stop, ready      | reliable, transient local, keep last 1    |
 | commands out                    | reliable, keep last 10 (driver defaults)  |
 
@@ -22,6 +23,14 @@ RELIABLE = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10, reliability=Rel
 LATCHED = QoSProfile(
     history=HistoryPolicy.KEEP_LAST,
     depth=1,
+    reliability=ReliabilityPolicy.RELIABLE,
+    durability=DurabilityPolicy.TRANSIENT_LOCAL,
+)
+# A monitor that joins late (an evaluation's watcher still discovering the policy node while the
+# first chunk is served) gets the last chunks' statistics; volatile subscribers match it too.
+STATS = QoSProfile(
+    history=HistoryPolicy.KEEP_LAST,
+    depth=10,
     reliability=ReliabilityPolicy.RELIABLE,
     durability=DurabilityPolicy.TRANSIENT_LOCAL,
 )
