@@ -700,7 +700,9 @@ def test_a_recorder_interrupted_while_it_is_built_closes_its_bag(ros_context, tm
 _SPUN_NODE = """
 import os, signal, sys, threading
 from rclpy.node import Node
+from vla_accel_ros.ros import spin
 from vla_accel_ros.ros.spin import spin_node
+spin.SHUTDOWN_DEADLINE_S = {deadline_s}
 
 class Spun(Node):
     def __init__(self):
@@ -710,19 +712,20 @@ class Spun(Node):
     def close(self):
         print("closed", self.ticks, self.raised, flush=True)
 {body}
-spin_node(Spun, ["spun"])
+spin_node(Spun, ["spun"], threads={threads})
 print("returned", flush=True)
 """
 
 
-def _spin_in_a_process(body: str):
+def _spin_in_a_process(body: str, *, threads: int = 4, deadline_s: float = 10.0):
     """``_SPUN_NODE`` with ``body`` (its callbacks) in a process of its own, on the test's domain
-    (the ros_domain fixture's environment)."""
+    (the ros_domain fixture's environment), spun on ``threads`` threads, ended at the latest
+    ``deadline_s`` after a stop signal."""
     import os
     import subprocess
     import sys
 
-    code = _SPUN_NODE.format(body=body)
+    code = _SPUN_NODE.format(body=body, threads=threads, deadline_s=deadline_s)
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
 
 
@@ -753,38 +756,68 @@ def test_ctrl_c_while_a_node_spins_only_asks_its_loop_to_stop(ros_domain):
     assert out.rstrip().endswith("returned"), out[-3000:]
 
 
-def test_a_callback_still_running_after_ctrl_c_is_named_and_the_process_still_ends(ros_domain):
-    """A callback that never returns: spin_node waits DRAIN_TIMEOUT_S for it, logs where it is,
-    and ends the process (status 1) instead of waiting for it forever, as the interpreter's exit
-    would (it joins the executor's threads), until ros2 launch's SIGKILL."""
-    import signal
-    import subprocess
-    import time
-
-    from vla_accel_ros.ros.spin import DRAIN_TIMEOUT_S
-
-    body = """
+_STUCK_TICK = """
     def tick(self):
         self.ticks += 1
         if self.ticks == 1:
             print("stuck", flush=True)
             threading.Event().wait()
 """
-    proc = _spin_in_a_process(body)
+
+
+def _stuck_then_interrupted(threads: int, deadline_s: float = 10.0, before=None) -> tuple[int, str, float]:
+    """A node whose first callback never returns, spun on ``threads`` threads; once it is stuck,
+    ``before(proc)``, then SIGINT: (exit status, output, seconds from SIGINT to the exit)."""
+    import signal
+    import time
+
+    proc = _spin_in_a_process(_STUCK_TICK, threads=threads, deadline_s=deadline_s)
     try:
         line = proc.stdout.readline()
         assert line.strip() == "stuck", line + proc.stdout.read()
+        if before is not None:
+            before(proc)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
-        seconds = time.monotonic() - t0
+        return proc.returncode, out, time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 1, out[-3000:]
+
+
+def test_a_callback_still_running_after_ctrl_c_is_named_and_the_process_still_ends(ros_domain):
+    """A callback that never returns: spin_node waits DRAIN_TIMEOUT_S for it, logs where it is,
+    and ends the process (status 1) instead of waiting for it forever, as the interpreter's exit
+    would (it joins the executor's threads), until ros2 launch's SIGKILL."""
+    from vla_accel_ros.ros.spin import DRAIN_TIMEOUT_S
+
+    code, out, seconds = _stuck_then_interrupted(threads=4)
+    assert code == 1, out[-3000:]
     assert "still running" in out and " tick" in out, out[-3000:]  # the callback, by name
     assert "returned" not in out and seconds < DRAIN_TIMEOUT_S + 3.0, (seconds, out[-3000:])
+
+
+def test_a_callback_stuck_in_a_single_threaded_nodes_loop_meets_the_stop_deadline(ros_domain):
+    """On one thread (the controller's executor) the callback runs in the spinning thread, so
+    its loop never reads the stop flag and no drain can help: SIGINT and then SIGTERM were
+    ignored until ros2 launch's SIGKILL. From the first stop signal, SHUTDOWN_DEADLINE_S ends
+    the process (status 1) with every thread's stack, the stuck callback's among them."""
+    import signal
+    import time
+
+    deadline_s = 1.0
+
+    def reset_is_not_a_stop(proc) -> None:  # SIGUSR1 (reset_stats) must not arm the deadline
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(deadline_s + 1.5)
+        assert proc.poll() is None, proc.stdout.read()
+
+    code, out, seconds = _stuck_then_interrupted(threads=1, deadline_s=deadline_s, before=reset_is_not_a_stop)
+    assert code == 1, out[-3000:]
+    assert "Timeout" in out and "in tick" in out, out[-3000:]  # faulthandler's dump names the callback
+    assert "closed" not in out and deadline_s <= seconds < deadline_s + 3.0, (seconds, out[-3000:])
 
 
 @pytest.mark.slow

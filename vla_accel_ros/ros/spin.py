@@ -3,11 +3,14 @@ Ctrl-C or SIGTERM, whenever it comes; :func:`stop_on_sigint` for the processes t
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import os
 import signal
+import socket
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Callable
@@ -23,6 +26,14 @@ from vla_accel_ros.ros.process_tuning import prefer_responsive_threads, return_f
 # How long spin_node waits for callbacks still running once the node closed: they take
 # milliseconds; with the policy's CLOSE_WAIT_S (3 s) it stays within the 5 s ros2 launch gives.
 DRAIN_TIMEOUT_S = 2.0
+
+# From the first Ctrl-C or SIGTERM, the longest an orderly end may take: past it, every thread's
+# stack is printed and the process ends with status 1. A callback that never returns on a
+# single-threaded executor (the controller's) keeps the loop from ever reading the stop flag,
+# and then only ros2 launch's SIGKILL, 15 s after its SIGINT, ended the process, with no word on
+# where it was. Twice the policy's CLOSE_WAIT_S and DRAIN_TIMEOUT_S together, so a slow but
+# orderly end (a recorder closing its bag) is not cut, and still before that SIGKILL.
+SHUTDOWN_DEADLINE_S = 10.0
 
 SUMMARY_OUT = "--summary-out"  # a node's own argument (outside --ros-args): write summary() there at exit
 
@@ -44,6 +55,45 @@ def stop_on_sigint() -> None:
     never installs its handler: a recorder or node started that way would ignore the SIGINT
     a launcher or ``ros2 launch`` stops it with (rclcpp nodes install theirs regardless)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class _StopDeadline:
+    """Arms :data:`SHUTDOWN_DEADLINE_S` at the first SIGINT or SIGTERM, wherever the main thread
+    is. Python runs signal handlers only in the main thread, between two bytecodes, and the
+    loop's handlers only set a flag: a main thread stuck in a callback or inside rclpy never acts
+    on it, or never even runs the handler. The interpreter's C handler still writes the signal's
+    number to the wakeup fd; a daemon thread reading it arms faulthandler's watchdog, a C thread
+    that prints every stack and exits without the main thread. (Arming needs the GIL: a main
+    thread stuck in C code that holds it stays out of reach, as before.)"""
+
+    def __init__(self, deadline_s: float) -> None:
+        self._read, write = socket.socketpair()
+        write.setblocking(False)
+        self._write = write  # kept open as long as the wakeup fd points at it
+        self._lock = threading.Lock()
+        self._done = False
+        signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(deadline_s,), name="stop-deadline", daemon=True).start()
+
+    def _watch(self, deadline_s: float) -> None:
+        stops = {signal.SIGINT, signal.SIGTERM}
+        while True:
+            got = self._read.recv(64)
+            if not got:  # cancelled: the write end is closed
+                return
+            if any(b in stops for b in got):  # SIGUSR1 (reset_stats) is not a stop
+                break
+        with self._lock:
+            if not self._done:
+                faulthandler.dump_traceback_later(deadline_s, exit=True)
+
+    def cancel(self) -> None:
+        """The orderly end is over (what is left is the interpreter's exit): no deadline."""
+        with self._lock:
+            self._done = True
+            faulthandler.cancel_dump_traceback_later()
+        signal.set_wakeup_fd(-1)  # (the main thread, as set_wakeup_fd requires)
+        self._write.close()  # ends the watching thread
 
 
 def spin_node(
@@ -75,6 +125,9 @@ def spin_node(
 
     A callback still running :data:`DRAIN_TIMEOUT_S` after the node closed is logged (where it
     is) and the process ends with status 1 without waiting for it (no thread could join it).
+    Whatever else keeps the end from coming (a callback stuck in the spinning thread itself, so
+    the loop never reads its flag) meets :data:`SHUTDOWN_DEADLINE_S`: every thread's stack on
+    stderr ("Timeout"), status 1.
     """
     argv = list(sys.argv if args is None else args)
     summary_out = _pop_option(argv, SUMMARY_OUT)
@@ -86,6 +139,7 @@ def spin_node(
     stop_on_sigint()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # the same orderly end as Ctrl-C
     signal.signal(signal.SIGUSR1, lambda *_: setattr(asked, "reset", True))
+    deadline = _StopDeadline(SHUTDOWN_DEADLINE_S)
     rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
     node = executor = None
     still_running: list[str] = []
@@ -123,6 +177,7 @@ def spin_node(
             if not still_running:  # a callback still in it may use it
                 node.destroy_node()
         rclpy.try_shutdown()
+        deadline.cancel()
         if still_running:  # the interpreter's exit would join the stuck thread: end here instead
             sys.stdout.flush()
             sys.stderr.flush()
