@@ -355,17 +355,26 @@ def test_an_episodes_noise_depends_on_its_seed_not_on_where_the_run_started(tiny
 
 def test_the_noise_scale_reaches_the_policy_and_a_bad_one_is_refused_by_its_flag(tiny_bundles, tmp_path, capsys):
     """--noise-scale is the policy's flow_noise_scale in every mode (recorded in the report);
-    out of range it is refused, named as the flag, before anything runs."""
+    by default the bundle's noise_scale, recorded as the scale that ran; out of range it is
+    refused, named as the flag, before anything runs."""
+    import json
+    import shutil
+
     from vla_accel_ros.bench import eval as ev
 
     cfg = ev.EvalConfig(bundle=tiny_bundles["flow"], episodes=1, steps=4, modes=("baseline", "cache"), parity_check=False,
                         num_threads=1, open_loop_episodes=0, height=120, width=160, noise_scale=0.0)  # fmt: skip
     result = ev.run_eval(cfg, progress=False)
     assert {m["policy_config"]["flow_noise_scale"] for m in result["modes"].values()} == {0.0}
+    half = tmp_path / "half"
+    shutil.copytree(tiny_bundles["flow"], half)
+    (half / "config.json").write_text(json.dumps({**json.loads((half / "config.json").read_text()), "noise_scale": 0.5}))
+    result = ev.run_eval(ev.EvalConfig(**{**cfg.__dict__, "bundle": half, "noise_scale": -1.0}), progress=False)
+    assert {m["policy_config"]["flow_noise_scale"] for m in result["modes"].values()} == {0.5}
     argv = ["eval", "--bundle", str(tiny_bundles["flow"]), "--episodes", "1", "--report", str(tmp_path / "r"),
             "--noise-scale", "-0.5"]  # fmt: skip
     assert main(argv) == 2
-    assert "--noise-scale: PolicyConfig.flow_noise_scale=-0.5 is out of range" in capsys.readouterr().err
+    assert "--noise-scale: PolicyConfig.flow_noise_scale=-0.5 is neither -1" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 

@@ -91,8 +91,41 @@ def test_flow_noise_scale_multiplies_the_start_and_zero_makes_chunks_determinist
     assert np.array_equal(a, b) and np.abs(a - half).max() > 1e-4
     # The reference path starts from the same (scaled) noise: the gate compares like with like.
     assert np.abs(policy.reference_infer(obs, noise=noise).actions - a).max() <= 1e-4
+    with pytest.raises(ConfigError, match=r"flow_noise_scale=-0.5 is neither -1 \(the bundle's noise_scale\) nor in \[0, 2\]"):
+        PolicyConfig(flow_noise_scale=-0.5)
     with pytest.raises(ConfigError, match="flow_noise_scale"):
-        PolicyConfig(flow_noise_scale=-1.0)
+        PolicyConfig(flow_noise_scale=2.5)
+
+
+def test_the_bundles_noise_scale_is_the_default_and_the_policys_overrides_it(tiny_bundles, tmp_path):
+    """flow_noise_scale -1 (the default) samples at the bundle's noise_scale (how the policy was
+    validated: the shipped SmolVLA bundle's is 0); an explicit scale overrides it, and a chunk's
+    statistics say which ran. A bundle's scale outside [0, 2] is refused with the field named."""
+    import json
+    import shutil
+
+    from vla_accel_ros.core.errors import BundleError
+    from vla_accel_ros.core.policy_config import PolicyConfig
+    from vla_accel_ros.models.factory import load_policy
+
+    quiet = tmp_path / "quiet"
+    shutil.copytree(tiny_bundles["flow"], quiet)
+    cfg = json.loads((quiet / "config.json").read_text())
+    assert cfg.get("noise_scale", 1.0) == 1.0  # bundles written before the field: the trained sampler
+    (quiet / "config.json").write_text(json.dumps({**cfg, "noise_scale": 0.0}))
+    policy = load_policy(quiet, PolicyConfig(parity_check=False))
+    obs = _obs(policy.spec)
+    noise = np.random.default_rng(0).standard_normal(policy.noise_shape).astype(np.float32)
+    a, b = policy.infer(obs, noise=noise), policy.infer(obs, noise=-noise)
+    assert np.array_equal(a.actions, b.actions) and a.stats["flow_noise_scale"] == 0.0
+    policy.configure(PolicyConfig(parity_check=False, flow_noise_scale=1.0))
+    c = policy.infer(obs, noise=noise)
+    assert np.abs(c.actions - a.actions).max() > 1e-4 and c.stats["flow_noise_scale"] == 1.0
+    noisy = load_policy(tiny_bundles["flow"], PolicyConfig(parity_check=False))
+    assert noisy.noise_scale == 1.0
+    (quiet / "config.json").write_text(json.dumps({**cfg, "noise_scale": 3.0}))
+    with pytest.raises(BundleError, match=r"BundleSpec.noise_scale=3.0 is out of range \[0.0, 2.0\]"):
+        load_policy(quiet, PolicyConfig(parity_check=False))
 
 
 def test_flow_prefix_not_recomputed_during_denoising(tiny_policies):

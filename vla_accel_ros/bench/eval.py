@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ class EvalConfig:
     parity_check: bool = True
     num_threads: int = 0
     flow_steps: int = 0
-    noise_scale: float = 1.0  # flow: PolicyConfig.flow_noise_scale of every mode (lerobot's too)
+    noise_scale: float = -1.0  # flow: PolicyConfig.flow_noise_scale of every mode, lerobot's too (-1: the bundle's)
     cache_overrides: dict[str, Any] = field(default_factory=dict)
     prune_overrides: dict[str, Any] = field(default_factory=dict)
     precision_overrides: dict[str, Any] = field(default_factory=dict)  # gate limits of the @precision modes
@@ -577,6 +577,8 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
     graph = GraphConfigs.load(cfg.params, cfg.scheduler_overrides)
     bundle = load_bundle(cfg.bundle)
     spec = bundle.spec
+    # The bundle's scale made explicit: the report says what ran, and LeRobot is handed the same.
+    cfg = replace(cfg, noise_scale=PolicyConfig(flow_noise_scale=cfg.noise_scale).noise_scale(spec.noise_scale))
     if tuple(spec.joint_names) != tuple(graph.robot.joint_names):
         raise ConfigError(f"bundle {spec.name} joints {list(spec.joint_names)} differ from robot.joint_names")
     robot = SimRobot(cfg.task, tuple(spec.cameras), graph.robot, graph.sync(spec.frame_size), cfg.height, cfg.width)

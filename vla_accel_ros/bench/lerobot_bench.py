@@ -39,6 +39,7 @@ from vla_accel_ros.bench.modes import BASELINE, build_runs, frame_noise, parse_m
 from vla_accel_ros.bench.replay import ReplayConfig
 from vla_accel_ros.bench.stats import distribution
 from vla_accel_ros.core.errors import BagError, ConfigError, VlaAccelError
+from vla_accel_ros.core.parity import noise_scale_of
 
 WORKER = Path(__file__).with_name("lerobot_worker.py")
 SCHEMA = "vla_accel_ros.bench_lerobot/1"
@@ -218,18 +219,21 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
         r.reset()
     lerobot = {"latency": [], "stages": [], "actions": []}
     shape = runs[0].policy.noise_shape
+    # Our modes scale the noise inside the flow core (the bundle's noise_scale); LeRobot is
+    # handed the noise already scaled, so both sides integrate from one start.
+    scale = noise_scale_of(runs[0].policy)
     std = action_std(spec)
     params_m = round(sum(p.numel() for p in runs[0].policy.model.parameters()) / 1e6, 1)
     worker = None if cfg.sequential else _worker(cfg)
     try:
-        _interleave(frames, cfg, runs, worker, cameras, shape, spec, lerobot, progress, "bench lerobot")
+        _interleave(frames, cfg, runs, worker, cameras, shape, scale, spec, lerobot, progress, "bench lerobot")
         if cfg.sequential:
             for r in runs:  # keep what was measured, free the weights before LeRobot loads its own
                 r.policy = r.pipeline = None
             del bundle
             gc.collect()
             worker = _worker(cfg)
-            _interleave(frames, cfg, [], worker, cameras, shape, spec, lerobot, progress, "bench lerobot (LeRobot)")
+            _interleave(frames, cfg, [], worker, cameras, shape, scale, spec, lerobot, progress, "bench lerobot (LeRobot)")
     finally:
         if worker is not None:
             worker.close()
@@ -252,7 +256,7 @@ def run_lerobot_bench(cfg: LeRobotBenchConfig, progress: bool = True, command: s
     result = {
         "schema": SCHEMA, "command": command, "frames": len(lerobot["latency"]), "warmup": cfg.warmup, "threads": cfg.threads,
         "bag": str(cfg.bag), "lerobot_policy": str(cfg.lerobot), "bundle": str(bundle_path), "family": spec.family,
-        "cameras": list(spec.cameras), "parameters_m": params_m, "sequential": cfg.sequential,
+        "cameras": list(spec.cameras), "parameters_m": params_m, "sequential": cfg.sequential, "noise_scale": scale,
         "lerobot": {"latency_ms": distribution(lerobot["latency"]), "stages_p50_ms": _stage_p50(lerobot["stages"]),
                     **{k: worker.info.get(k) for k in ("versions", "load_s", "parameters", "threads", "calls")}},
         "modes": modes, "mode_order": names, "import_s": round(import_s, 1), "build_s": round(build_s, 1),
@@ -266,9 +270,10 @@ def _worker(cfg: LeRobotBenchConfig) -> LeRobotWorker:
     return LeRobotWorker(cfg.python, cfg.lerobot, cfg.threads, vlm=cfg.vlm, tokenizer=cfg.tokenizer)
 
 
-def _interleave(frames, cfg: LeRobotBenchConfig, runs, worker, cameras, shape, spec, lerobot, progress: bool, label: str) -> None:
+def _interleave(frames, cfg: LeRobotBenchConfig, runs, worker, cameras, shape, scale: float, spec, lerobot, progress: bool, label: str) -> None:
     """Every frame through LeRobot (``worker``, unless None) and each of ``runs``, the same
-    noise per frame on every side, the first runner rotating from frame to frame."""
+    noise per frame on every side (LeRobot's times ``scale``, our modes' noise scale), the
+    first runner rotating from frame to frame."""
     from vla_accel_ros.bench.progress import progress_bar
 
     bar = progress_bar(len(frames), label, "frame", enabled=progress)
@@ -280,7 +285,7 @@ def _interleave(frames, cfg: LeRobotBenchConfig, runs, worker, cameras, shape, s
             k = i % len(order)
             for name in order[k:] + order[:k]:
                 if name == "lerobot":
-                    actions, ms, stages = worker.run(obs, cameras, noise)
+                    actions, ms, stages = worker.run(obs, cameras, noise * np.float32(scale))
                     if timed:
                         lerobot["latency"].append(ms)
                         lerobot["stages"].append(stages)
@@ -323,7 +328,8 @@ def markdown(result: dict[str, Any], plot: str | None) -> str:
         f"# {result['family']}: LeRobot {le['versions']['lerobot']} vs vla_accel_ros, same frames, {result['threads']} thread(s)",
         "",
         f"{result['frames']} timed frames of `{result['bag']}` (after {result['warmup']} warm-up), cameras "
-        f"{', '.join(result['cameras'])}, {result['parameters_m']} M parameters, the same noise per frame on both sides, "
+        f"{', '.join(result['cameras'])}, {result['parameters_m']} M parameters, the same noise per frame on both sides "
+        f"(times {result.get('noise_scale', 1.0):g}, the bundle's noise scale), "
         + ("ours on every frame first, then LeRobot (--sequential). " if result.get("sequential") else "calls interleaved. ")
         + "Latency: each side's own wall time of one chunk, every library overhead included "
         + f"(LeRobot: {le.get('calls', 'preprocessor, predict_action_chunk, postprocessor')}).",

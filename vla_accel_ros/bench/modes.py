@@ -237,7 +237,7 @@ def policy_config(mode: Mode, cfg):
     # The transformers path is what the parity gate compares against; gating it is moot.
     fields.update(
         parity_check=cfg.parity_check and not mode.reference, num_threads=cfg.num_threads, flow_steps=cfg.flow_steps,
-        flow_noise_scale=getattr(cfg, "noise_scale", 1.0), seed=cfg.seed,
+        flow_noise_scale=getattr(cfg, "noise_scale", -1.0), seed=cfg.seed,
     )  # fmt: skip
     return PolicyConfig.from_dict(fields)
 

@@ -157,7 +157,9 @@ def _settings_differ(first: Mapping[str, Any], part: Mapping[str, Any]) -> str:
     time: per part); of it, the threads and the noise scale are settings."""
     from vla_accel_ros.core.policy_config import PolicyConfig
 
-    defaults = PolicyConfig().to_dict()
+    # Reports record the noise scale that ran (the bundle's made explicit); one that predates the
+    # field ran the trained sampler, 1, whatever the default is now.
+    defaults = {**PolicyConfig().to_dict(), "flow_noise_scale": 1.0}
 
     def policy(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
         if config is None:

@@ -140,6 +140,12 @@ def _export_lerobot(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     out = export_lerobot(args.bundle, args.out, vlm_name=args.vlm_name, image_hw=(h, w))
     print(f"wrote {out} in {time.perf_counter() - t:.1f} s (LeRobot: SmolVLAPolicy.from_pretrained({str(out)!r}))")
+    from vla_accel_ros.core.bundle import load_bundle
+
+    scale = load_bundle(args.bundle).spec.noise_scale
+    if scale != 1.0:  # LeRobot has no such setting: said here, not left to surprise a comparison
+        print(f"note: the bundle runs at noise_scale {scale:g}; LeRobot's runtime samples at 1 "
+              "(vla-accel eval --modes lerobot and bench lerobot hand it the noise already scaled)")
     return 0
 
 

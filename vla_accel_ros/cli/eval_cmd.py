@@ -50,9 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--params", type=Path, default=None, help="the graph's parameter file (default: config/aloha.yaml)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--flow-steps", type=int, default=0, help="flow: Euler steps per chunk (0: the bundle's)")
-    p.add_argument("--noise-scale", type=float, default=1.0,
+    p.add_argument("--noise-scale", type=float, default=-1.0,
                    help="flow: multiple of the Gaussian noise every chunk starts from, in every mode (lerobot's too); "
-                   "1: the trained sampler, 0: deterministic chunks")  # fmt: skip
+                   "-1: the bundle's noise_scale, 1: the trained sampler, 0: deterministic chunks")  # fmt: skip
     add_override_flags(p, "cache", "prune", "precision")
     p.add_argument(
         "--scheduler", action="append", default=[], metavar="FIELD=VALUE",

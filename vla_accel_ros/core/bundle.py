@@ -118,6 +118,12 @@ class BundleSpec(Config):
     joint_names: tuple[str, ...] = param((), doc="one name per action dimension")
     state_dim: int = param(0, doc="proprioceptive state size (0: no state input)", range=(0, 256))
     num_steps: int = param(10, doc="flow-matching families: Euler steps per chunk", range=(1, 1000))
+    noise_scale: float = param(
+        1.0,
+        doc="flow-matching families: the multiple of the Gaussian noise a chunk starts from, where the policy's "
+        "flow_noise_scale is -1 (1: the trained sampler, LeRobot's; 0: one deterministic chunk per observation)",
+        range=(0.0, 2.0),
+    )
     action_bins: int = param(256, doc="ar: action tokens = the last N vocabulary ids", range=(2, 65536))
     reasoning_words: tuple[str, ...] = param(
         (), doc="ar: the words a reasoning policy writes before <act> (ids just below the action bins; empty: no reasoning)"

@@ -137,7 +137,7 @@ class Fp32Reference:
     observations: tuple[Observation, Observation]
     noise: np.ndarray | None
     chunks: tuple[ActionChunk, ActionChunk]
-    noise_scale: float = 1.0  # the fp32 policy's flow_noise_scale: the chunks were sampled at it
+    noise_scale: float = 1.0  # the fp32 policy's noise scale: the chunks were sampled at it
 
 
 def fp32_reference(fp32_policy, seed: int = 1234, observations=None) -> Fp32Reference:
@@ -146,7 +146,13 @@ def fp32_reference(fp32_policy, seed: int = 1234, observations=None) -> Fp32Refe
     frames = gate_frames(fp32_policy.spec, seed, observations)
     noise = gate_noise(fp32_policy, seed)
     chunks = tuple(fp32_policy.reference_infer(o, noise=noise) for o in frames)
-    return Fp32Reference(frames, noise, chunks, fp32_policy.config.flow_noise_scale)
+    return Fp32Reference(frames, noise, chunks, noise_scale_of(fp32_policy))
+
+
+def noise_scale_of(policy) -> float:
+    """The noise scale ``policy`` samples at (its flow_noise_scale, else its bundle's; 1 for
+    policies that integrate no flow)."""
+    return getattr(policy, "noise_scale", 1.0)
 
 
 def _check_precision(report: ParityReport, name: str, policy, got: ActionChunk, ref: ActionChunk) -> None:
@@ -181,7 +187,7 @@ def run_parity(
     spec, cfg = policy.spec, policy.config
     accel_tolerance = cfg.parity_tolerance_accel if accel_tolerance is None else accel_tolerance
     fp32 = getattr(policy, "fp32_reference", None)
-    if fp32 is not None and fp32.noise_scale != cfg.flow_noise_scale:
+    if fp32 is not None and fp32.noise_scale != noise_scale_of(policy):
         # The noise scale changed since the reference was sampled (a run-time parameter):
         # precision is compared at the reference's, not across two samplers.
         with _noise_scale(policy, fp32.noise_scale):
@@ -263,7 +269,7 @@ def _check_prune_spread(policy, obs: Observation, noise: np.ndarray, pruned: np.
     as new noise does (the task's frames) and lost the task in closed loop at every setting
     tried, while passing the absolute bound; on random weights the spread is wide."""
     other = np.random.default_rng(_SPREAD_SEED).standard_normal(noise.shape).astype(np.float32)
-    trained = policy.config.flow_noise_scale == 1.0
+    trained = noise_scale_of(policy) == 1.0
     with _full_recompute(policy):
         a = _normalized(policy, policy.infer(obs, noise=noise).actions)
         # The spread is the trained sampler's (noise scale 1) whatever flow_noise_scale runs:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from vla_accel_ros.core.cache.config import CacheConfig
 from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.precision import PrecisionConfig
 from vla_accel_ros.core.prune.config import PruneConfig
 from vla_accel_ros.core.reasoning.memo import MemoConfig
@@ -61,11 +62,11 @@ class PolicyConfig(Config):
     )
     flow_steps: int = param(0, doc="flow: Euler steps per chunk (0: the bundle's num_steps)", range=(0, 1000))
     flow_noise_scale: float = param(
-        1.0,
-        doc="flow: the integration starts from this multiple of the Gaussian noise (1: the trained sampler; "
-        "0: one deterministic chunk per observation, so consecutive chunks do not re-draw among the ways "
-        "the policy could act)",
-        range=(0.0, 2.0),
+        -1.0,
+        doc="flow: the integration starts from this multiple of the Gaussian noise (-1: the bundle's noise_scale; "
+        "1: the trained sampler; 0: one deterministic chunk per observation, so consecutive chunks do not "
+        "re-draw among the ways the policy could act)",
+        range=(-1.0, 2.0),
     )
     seed: int = param(0, doc="seed of the flow noise when the caller passes none", range=(0, 2**31 - 1))
     cache: CacheConfig = CacheConfig()  # accel=cache / cache+prune: the token cache's knobs (ROS: cache.*)
@@ -82,3 +83,14 @@ class PolicyConfig(Config):
     @property
     def uses_prune(self) -> bool:
         return self.accel in ("prune", "cache+prune")
+
+    def noise_scale(self, bundle_scale: float) -> float:
+        """The noise scale flow chunks start from: ``flow_noise_scale``, or where it is -1 the
+        bundle's (``bundle_scale``: how the policy was validated)."""
+        return self.flow_noise_scale if self.flow_noise_scale >= 0 else bundle_scale
+
+    def validate(self) -> None:
+        if -1.0 < self.flow_noise_scale < 0.0:
+            raise ConfigError(
+                f"PolicyConfig.flow_noise_scale={self.flow_noise_scale!r} is neither -1 (the bundle's noise_scale) nor in [0, 2]"
+            )

@@ -242,7 +242,7 @@ def build_policy(
                 # (a replay's modes): at full size it is two fp32 reference inferences each.
                 # The reference samples as the policy does (its noise scale): the gate compares
                 # precision, not two samplers.
-                scale = config.flow_noise_scale
+                scale = config.noise_scale(spec.noise_scale)
                 kept = converted.get("fp32_reference")
                 if kept is not None and kept[0] is gate_observations and kept[2] == scale:
                     fp32_ref = kept[1]

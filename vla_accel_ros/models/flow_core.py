@@ -191,6 +191,11 @@ class FlowCore(PolicyBase):
     def num_steps(self) -> int:
         return self.config.flow_steps or self.spec.num_steps
 
+    @property
+    def noise_scale(self) -> float:
+        """The multiple of the noise chunks start from (the policy's, else the bundle's)."""
+        return self.config.noise_scale(self.spec.noise_scale)
+
     def bench_pairs(self, obs: Observation, layout: PrefixLayout, full: torch.Tensor) -> list:
         """``vla-accel bench engine``'s comparisons, transformers against the engine: (name,
         (label, fn), (label, fn), repeat factor) for the prefill, one denoise step over the
@@ -242,7 +247,7 @@ class FlowCore(PolicyBase):
             raise ObservationError(f"noise has shape {list(noise.shape)}, expected {list(shape)}")
         # Scaled here, after the caller's draw, so a given noise (the eval's per-chunk stream, the
         # gate's) means the same with any scale and the reference and engine paths see one start.
-        return torch.from_numpy(noise * np.float32(self.config.flow_noise_scale))[None]  # [1, H, D]
+        return torch.from_numpy(noise * np.float32(self.noise_scale))[None]  # [1, H, D]
 
     def expert_plan(self, length: int) -> StepPlan:
         """The expert pass's plan over a prefix of ``length`` slots: the chunk's rows after it.
@@ -328,6 +333,7 @@ class FlowCore(PolicyBase):
                 actions[:d] = np.asarray(guidance.prev_actions, dtype=np.float32)[:d]
         stats = plan_stats(plan, layout, out.computed_per_layer, self.planner.name, out.dropped)
         stats["flow_steps"] = self.num_steps
+        stats["flow_noise_scale"] = self.noise_scale
         return ActionChunk(
             actions=actions, stamp_ns=obs.stamp_ns, dt=self.spec.dt, chunk_id=self.next_chunk_id(),
             joint_names=self.spec.joint_names, timings_ms=timer.finish(), stats=stats,
