@@ -213,6 +213,34 @@ def test_train_cli_image_grid_and_time_budget(demo_bag, tmp_path, capsys):
     assert "resumed at step 3 of 6" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("shift", [0, 4])
+def test_a_frozen_tower_keeps_its_weights_and_its_tokens_computed_once_give_the_loss_of_the_pixels(episodes, tmp_path, shift):
+    """--freeze-vision: the tower and connector never change while the rest trains; without the
+    shift each frame's tokens are computed once and a batch carries them instead of frames, for
+    the loss the frames would give; with the shift the frozen tower runs in every step."""
+    cfg = TrainConfig(family="flow", size="tiny", chunk_size=4, epochs=2, batch_size=4, val_episodes=1, shift=shift,
+                      threads=1, checkpoint_every=0, bf16=False)  # fmt: skip
+    trainer = Trainer(cfg.replace(freeze_vision=True), episodes, tmp_path)
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    batch = trainer.train_set.batch(np.arange(4))
+    assert (batch.image_tokens is not None and batch.frames is None) == (shift == 0)
+    if shift == 0:
+        pixels = Trainer(cfg, episodes, tmp_path / "pixels")  # the same init (the seed's): tokens from the frames
+        gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+        with torch.no_grad():
+            via_tokens = float(trainer._loss(batch, gen())[0])
+            via_frames = float(pixels._loss(pixels.train_set.batch(np.arange(4)), gen())[0])
+        assert via_tokens == pytest.approx(via_frames, rel=1e-5)
+        with pytest.raises(Exception, match="cannot be shifted"):
+            trainer.train_set.batch(np.arange(4), shift=2)
+    trainer.run(progress=False)
+    end = trainer.model.state_dict()
+    vision = [k for k in end if k.startswith("vis.")]
+    assert vision and all(torch.equal(start[k], end[k]) for k in vision)
+    assert not all(torch.equal(start[k], end[k]) for k in end if not k.startswith("vis."))
+    assert trainer.validate() is not None
+
+
 def test_a_smolvla_trains_here_without_the_state_and_loads_as_lerobots_architecture(tmp_path, capsys):
     """``--family smolvla``: two cameras read at their own size and padded as LeRobot pads them
     (read by two processes), its own tokenizer written into the bundle, a schedule sized by

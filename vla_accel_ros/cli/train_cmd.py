@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="no joint-state input: the policy acts from its cameras and instruction alone")
     p.add_argument("--state-dropout", type=float, default=d.state_dropout, metavar="P",
                    help="replace the joint state of this fraction of training samples by the mean state (default 0)")
+    p.add_argument("--freeze-vision", action="store_true",
+                   help="keep the vision tower and connector as they start (--init-from's or the random init): only the "
+                   "language model and the expert train; with --shift 0 each frame's image tokens are computed once")
     p.add_argument("--fp32", action="store_true", help="no bfloat16 autocast in the forward pass")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: all cores)")
@@ -105,7 +108,7 @@ def _train(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size, state=not args.no_state, state_dropout=args.state_dropout, epochs=args.epochs,
         batch_size=args.batch, lr=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
-        val_episodes=args.val_episodes, shift=args.shift, bf16=not args.fp32, seed=args.seed, threads=args.threads,
+        val_episodes=args.val_episodes, shift=args.shift, freeze_vision=args.freeze_vision, bf16=not args.fp32, seed=args.seed, threads=args.threads,
         loader_threads=args.loader_threads, read_workers=args.read_workers, fit_minutes=args.fit_minutes,
         device=args.device, checkpoint_every=args.checkpoint_every, keep_every=args.keep_every,
         save_dtype=args.save_dtype, name=args.name, reasoning=args.reasoning, init_from=args.init_from,

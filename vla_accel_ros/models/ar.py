@@ -357,12 +357,14 @@ class ArPolicy(PolicyBase):
         valid: torch.Tensor,
         generator: torch.Generator,
         reasoning: list[list[str]] | None = None,
+        *,
+        image_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Cross-entropy with teacher forcing on ``[reasoning] <act> [actions]`` after the prefix
         (a reasoning bundle) or on the actions alone, each over its own ids (the reasoning words
         and <act>; the action bins), as :meth:`infer` takes its argmaxes. actions: [B, H, D]
         robot units; valid: [B, H]; reasoning: per sample, its words. ``generator`` is unused."""
-        layout, prefix = self.batch_prefix(pixels, states, instruction)  # [B, P, W]
+        layout, prefix = self.batch_prefix(pixels, states, instruction, image_tokens=image_tokens)  # [B, P, W]
         b, p = prefix.shape[:2]
         bins = self.spec.action_bins
         target = (bins - 1 - self.action_bins_of(actions)).reshape(b, -1)  # [B, n] rows of the head

@@ -380,16 +380,26 @@ class PolicyBase:
         step = StepPlan(slots=rows, positions=rows, layer_slots=plan.layer_slots, drop=plan.drop, output_slots=plan.layer_slots[-1])
         return self.prefix_engine.forward(full[rows][None], step).hidden[0]
 
-    def batch_prefix(self, pixels: torch.Tensor, states: torch.Tensor | None, instruction: str) -> tuple[PrefixLayout, torch.Tensor]:
+    def image_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The vision tower's tokens of a batch: pixels [B, C, 3, S, S] normalized -> [B, C, N, H]."""
+        b, c = pixels.shape[:2]
+        img = self.model.vis(pixels.flatten(0, 1))  # [B*C, N, H]
+        return img.reshape(b, c, *img.shape[1:])
+
+    def batch_prefix(
+        self, pixels: torch.Tensor | None, states: torch.Tensor | None, instruction: str, *,
+        image_tokens: torch.Tensor | None = None,
+    ) -> tuple[PrefixLayout, torch.Tensor]:  # fmt: skip
         """Differentiable prefix embeddings of a batch (training), with the rows and layout
-        :meth:`infer` uses.  pixels: [B, C, 3, S, S] normalized; states: [B, state_dim] in robot
+        :meth:`infer` uses.  pixels: [B, C, 3, S, S] normalized, or ``image_tokens`` [B, C, N, H]
+        already computed (a frozen tower's, :meth:`image_tokens`); states: [B, state_dim] in robot
         units (None without state) -> [B, P, H]"""
         layout, ids = self.layout_for(instruction)
-        b, c = pixels.shape[:2]
-        static = self._static_prefix(layout, ids).to(pixels.device)  # [P, H]
+        img = self.image_tokens(pixels) if image_tokens is None else image_tokens
+        b, c = img.shape[:2]
+        static = self._static_prefix(layout, ids).to(img.device)  # [P, H]
         full = static[None].expand(b, *static.shape).clone()
-        img = self.model.vis(pixels.flatten(0, 1))  # [B*C, T, H]
-        full[:, layout.image_slots()] = img.reshape(b, c * img.shape[1], img.shape[2]).to(full.dtype)
+        full[:, layout.image_slots()] = img.reshape(b, c * img.shape[2], img.shape[3]).to(full.dtype)
         if layout.state_slot is not None:
             if states is None:
                 raise ObservationError(f"this {self.family} bundle needs states to train on")

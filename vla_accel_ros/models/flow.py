@@ -87,14 +87,17 @@ class FlowPolicy(FlowCore):
         actions: torch.Tensor,
         valid: torch.Tensor,
         generator: torch.Generator,
+        *,
+        image_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Flow matching on a batch (pi0 / SmolVLA): x_t = t * noise + (1 - t) * a, the expert
         predicts u = noise - a, with t ~ 0.999 * Beta(1.5, 1) + 0.001 (more weight on noisy t).
 
         The expert attends to the prefix K/V through transformers' own cache, the path the parity
-        gate proves equal to the engine's inference.  pixels: [B, C, 3, S, S]; states: [B, D_s];
+        gate proves equal to the engine's inference.  pixels: [B, C, 3, S, S] (or ``image_tokens``, a
+        frozen tower's: :meth:`batch_prefix`); states: [B, D_s];
         actions: [B, H, D] robot units; valid: [B, H] (False: padding past the episode's end)."""
-        layout, prefix = self.batch_prefix(pixels, states, instruction)  # [B, P, W]
+        layout, prefix = self.batch_prefix(pixels, states, instruction, image_tokens=image_tokens)  # [B, P, W]
         b, p = prefix.shape[:2]
         h = self.spec.chunk_size
         st = self.action_norm.stats

@@ -248,7 +248,7 @@ def split_episodes(episodes: list[Episode], val_episodes: int) -> tuple[list[Epi
 
 @dataclass
 class Batch:
-    frames: torch.Tensor  # [B, C, S, S, 3] uint8: normalized where the model runs (siglip_pixels), a quarter of the bytes to move
+    frames: torch.Tensor | None  # [B, C, S, S, 3] uint8: normalized where the model runs (siglip_pixels), a quarter of the bytes to move
     states: torch.Tensor  # [B, D_s]
     actions: torch.Tensor  # [B, H, D]
     valid: torch.Tensor  # [B, H] bool
@@ -257,6 +257,9 @@ class Batch:
     # The random shift's offsets [B * C, 2] (dy, dx) when it is left to the device the model runs
     # on (frames unshifted; :func:`apply_shift`), None when the frames are already shifted.
     offsets: torch.Tensor | None = None
+    # [B, C, N, H] a frozen tower's tokens of the frames (``ChunkDataset.image_tokens``); the
+    # frames are then not assembled at all (None).
+    image_tokens: torch.Tensor | None = None
 
     def device_frames(self, device) -> torch.Tensor:
         """The frames on ``device``, shifted there if the shift was deferred."""
@@ -275,6 +278,9 @@ class ChunkDataset:
     # in the episode: one recorded sample per simulator step) and joint state.
     reasoning: ReasoningTemplate | None = None
     index: np.ndarray = field(init=False)  # [N, 2] (episode, frame)
+    # Per episode [T, C, N, H]: a frozen tower's tokens of every frame (the trainer's
+    # --freeze-vision without the shift), which batches carry instead of frames.
+    image_tokens: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.stride < 1 or self.chunk_size < 1:
@@ -312,12 +318,20 @@ class ChunkDataset:
             pad = h - chunk.shape[0]
             if pad:
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)])
-            frames.append(e.frames[t])
+            frames.append(e.frames[t] if self.image_tokens is None else self.image_tokens[int(ei)][int(t)])
             states.append(e.states[t])
             actions.append(chunk)
             valid.append(np.arange(h) < h - pad)
             if self.reasoning is not None:
                 reasoning.append(words_of(self.reasoning.text(tick, e.states[t])))
+        if self.image_tokens is not None:
+            if shift > 0:
+                raise ConfigError("a batch of precomputed image tokens cannot be shifted (the frozen tower saw the frames once)")
+            return Batch(
+                frames=None, image_tokens=torch.stack(frames), states=torch.from_numpy(np.stack(states)),
+                actions=torch.from_numpy(np.stack(actions)), valid=torch.from_numpy(np.stack(valid)),
+                instruction=self.instruction, reasoning=reasoning if self.reasoning is not None else None,
+            )  # fmt: skip
         raw = torch.from_numpy(np.stack(frames))  # [B, C, S, S, 3] uint8
         offsets = shift_offsets(raw.shape[0] * raw.shape[1], shift, generator) if shift > 0 else None
         if offsets is not None and not defer_shift:

@@ -68,6 +68,12 @@ class TrainConfig(Config):
         "must then act from its images, against the scripted expert's shortcut without losing the state at run time",
         range=(0.0, 1.0),
     )  # fmt: skip
+    freeze_vision: bool = param(
+        False, doc="keep the vision tower and its connector as they start (--init-from's or the random init; LeRobot's "
+        "freeze_vision_encoder): only the language model and the action expert train. Without the random shift "
+        "(--shift 0) each frame's image tokens are computed once, before the first step, and a step costs no tower: "
+        "on the CPU the tower is most of a SmolVLA step",
+    )  # fmt: skip
     epochs: int = param(20, doc="passes over the training frames", range=(1, 100_000))
     batch_size: int = param(16, doc="samples per optimizer step", range=(1, 4096))
     lr: float = param(3e-4, doc="peak AdamW learning rate", range=(1e-7, 1.0))
@@ -230,23 +236,46 @@ class Trainer:
         # The inference policy owns the layout; training runs its model in train mode.
         self.policy = build_policy(self.spec, model, PolicyConfig(parity_check=False), bundle_path=str(self.out))
         self.model = model.train().requires_grad_(True).to(self.device)
+        if cfg.freeze_vision:
+            model.vis.requires_grad_(False).eval()
         if not cfg.state and family.state_required:
             # The input stays (the family's checkpoints read it); a zero projection that never
             # trains makes the state token the same whatever the state.
             with torch.no_grad():
                 model.state_proj.weight.zero_()
             model.state_proj.weight.requires_grad_(False)
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-        other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+        params = [(n, p) for n, p in model.named_parameters() if not (cfg.freeze_vision and n.startswith("vis."))]
+        decay = [p for n, p in params if p.ndim >= 2 and "embed" not in n]
+        other = [p for n, p in params if not (p.ndim >= 2 and "embed" not in n)]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(0.9, 0.95), fused=self.device.type == "cuda",  # one kernel per step on a GPU
         )  # fmt: skip
+        if cfg.freeze_vision and not cfg.shift:
+            for data in (self.train_set, self.val_set):
+                if data is not None:
+                    data.image_tokens = self._image_tokens(data)
         self.steps_per_epoch = max(1, len(self.train_set) // cfg.batch_size)
         self.total_steps = self.steps_per_epoch * cfg.epochs
         self.fitted = False  # fit_minutes has chosen total_steps
         self.step = 0
         self.history: list[dict] = []
+
+    @torch.no_grad()
+    def _image_tokens(self, data: ChunkDataset) -> list[torch.Tensor]:
+        """The frozen tower's tokens of every frame of ``data``, per episode [T, C, N, H], in the
+        dtype a step's autocast gives them (kept where the model trains)."""
+        from tqdm import tqdm
+
+        out = []
+        for e in tqdm(data.episodes, desc="image tokens", unit="episode", file=sys.stderr, leave=False):
+            chunks = []
+            for i in range(0, len(e), 16):
+                frames = torch.from_numpy(np.stack([e.frames[t] for t in range(i, min(len(e), i + 16))])).to(self.device)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+                    chunks.append(self.policy.image_tokens(siglip_pixels(frames)))
+            out.append(torch.cat(chunks))
+        return out
 
     def _init_from(self, model: torch.nn.Module, path: str) -> None:
         from vla_accel_ros.core.bundle import load_bundle
@@ -330,10 +359,12 @@ class Trainer:
             # only when set, so runs without it keep their numbers.
             drop = torch.rand(states.shape[0], generator=generator) < self.cfg.state_dropout
             states = torch.where(drop[:, None], self._state_mean, states)
+        if batch.image_tokens is not None:
+            extra["image_tokens"] = batch.image_tokens.to(dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             return self.policy.training_loss(
-                siglip_pixels(batch.device_frames(dev)), states.to(dev), batch.instruction,
-                batch.actions.to(dev), batch.valid.to(dev), generator, **extra,
+                None if batch.image_tokens is not None else siglip_pixels(batch.device_frames(dev)), states.to(dev),
+                batch.instruction, batch.actions.to(dev), batch.valid.to(dev), generator, **extra,
             )  # fmt: skip
 
     def train_step(self, batch, generator: torch.Generator, lr: float) -> dict[str, float]:
@@ -362,6 +393,8 @@ class Trainer:
                 total += float(loss) * len(rows)
                 n += len(rows)
         self.model.train()
+        if self.cfg.freeze_vision:
+            self.model.vis.eval()
         return total / max(1, n)
 
     def run(self, *, progress: bool = True) -> TrainResult:

@@ -275,6 +275,7 @@ class SmolVLAPolicy(LeRobotPolicy):
     def training_loss(
         self, pixels: torch.Tensor, states: torch.Tensor, instruction: str, actions: torch.Tensor, valid: torch.Tensor,
         generator: torch.Generator | None, *, noise: torch.Tensor | None = None, time: torch.Tensor | None = None,
+        image_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
         """LeRobot's flow-matching loss (0.4.4's ``SmolVLAPolicy.forward``), term for term:
         actions normalized (and mapped with ``adapt_to_pi_aloha``), zero-padded to
@@ -285,11 +286,12 @@ class SmolVLAPolicy(LeRobotPolicy):
         action repeated, as here) count too: ``valid`` is not applied, and the loss is LeRobot's.
 
         ``noise`` [B, H, max_action_dim] and ``time`` [B] may be given (a check against LeRobot's
-        own loss); else drawn from ``generator``.  pixels: [B, C, 3, S, S] in [-1, 1] (resized
+        own loss); else drawn from ``generator``. ``image_tokens``: a frozen tower's tokens instead of
+        pixels (:meth:`batch_prefix`).  pixels: [B, C, 3, S, S] in [-1, 1] (resized
         with padding); states: [B, state_dim] and actions: [B, H, action_dim] in robot units."""
         del valid  # see above: LeRobot's loss ignores it
         o = self.options
-        layout, prefix = self.batch_prefix(pixels, states, instruction)  # [B, P, W]
+        layout, prefix = self.batch_prefix(pixels, states, instruction, image_tokens=image_tokens)  # [B, P, W]
         dev = prefix.device
         a = self.codec.to_model(actions.float(), "action", o.action_norm)
         a = F.pad(a, (0, o.max_action_dim - self.spec.action_dim))  # [B, H, A]

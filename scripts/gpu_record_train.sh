@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (many cores, PyTorch installed, no network, a deadline): record
+# scripted demonstrations on every core, train one SmolVLA run on them until the deadline, and
+# pack the bundles it kept into parts small enough to come back. Run from the repository root:
+#
+#   CARRY=.gpucarry OUTDIR=$OUT scripts/gpu_record_train.sh
+#
+# CARRY is what scripts/gpu_carry.sh built here (site.tar.xz, gl/*.deb); without it the packages
+# must be importable already. Everything is an environment variable with a default (below), so
+# a dry run on a CPU machine is the same script (scripts/README.md). Unpack what came back with
+#   for b in final step_a step_b; do mkdir -p runs/$b && cat OUTDIR/$b.tar.* | tar -xf - -C runs/$b; done
+#
+# Lessons of earlier calls, each cost most of a call once (docs/policy-experiments.md):
+#  - every recorder runs under `timeout`, and only bags with their metadata.yaml are trained on
+#    (a recorder that hangs at interpreter exit must not hold the call);
+#  - no `exec > >(tee ...)`: a bare `wait` also waits for that process substitution, which ends
+#    only with the script. The log is appended to, and `wait` names its processes;
+#  - one training run on every core, the bags read once by as many processes as there are cores.
+set -u
+T0=$SECONDS
+PY=${PY:-python3}
+OUTDIR=${OUTDIR:-${OUT:-gpu_out}}
+CARRY=${CARRY:-.gpucarry}
+WORKDIR=${WORKDIR:-gpu_work}
+DEADLINE_S=${DEADLINE_S:-570}          # the whole script, from its start; the call's limit is above it
+RECORD_S=${RECORD_S:-200}              # no bag is started after this; each process records one at least (0: record nothing, train on WORKDIR/data)
+PACK_S=${PACK_S:-30}                   # kept for packing after training
+PROCS=${PROCS:-$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))}
+TASK=${TASK:-transfer_cube}
+CAMERAS=${CAMERAS:-top,left_wrist,right_wrist}
+RENDER_EVERY=${RENDER_EVERY:-4}
+EPISODES_PER_BAG=${EPISODES_PER_BAG:-4}
+STEPS=${STEPS:-0}                      # control steps per episode (0: the task's)
+SEED0=${SEED0:-30000}                  # process p, bag k: seed SEED0 + 1000 p + EPISODES_PER_BAG k
+VAL_SEED=${VAL_SEED:-90000}
+VAL_EPISODES=${VAL_EPISODES:-8}
+BAG_TIMEOUT=${BAG_TIMEOUT:-$(( 60 * EPISODES_PER_BAG + 60 ))}
+DEVICE=${DEVICE:-cuda}
+INIT_FROM=${INIT_FROM:-bundles/transfer_cube-smolvla}
+RUN=${RUN:-run}
+TRAIN_ARGS=${TRAIN_ARGS:---family smolvla --size mini --cameras cam_high,cam_left_wrist,cam_right_wrist --image-size 512 --patch-size 64 --no-state --batch 128 --lr 3e-4 --warmup-steps 100 --epochs 100 --threads 2 --loader-threads 6 --checkpoint-every 250 --keep-every 250}
+TRAIN_EXTRA=${TRAIN_EXTRA:-}           # appended to TRAIN_ARGS: a later flag overrides an earlier one
+
+mkdir -p "$OUTDIR" "$WORKDIR"
+LOG=$OUTDIR/run.log
+SUMMARY=$OUTDIR/summary.txt
+say() { echo "[$(( SECONDS - T0 )) s] $*" | tee -a "$LOG"; }
+: > "$SUMMARY"
+
+# -- the environment -----------------------------------------------------------------------------
+if [ -d "$CARRY/gl" ] && ls "$CARRY"/gl/*.deb >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  for f in "$CARRY"/gl/*.deb; do dpkg -x "$f" /; done
+  ldconfig
+fi
+NV_EGL=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+[ -f "$NV_EGL" ] && export __EGL_VENDOR_LIBRARY_FILENAMES=$NV_EGL
+if [ -f "$CARRY/site.tar.xz" ]; then
+  mkdir -p /tmp/gpu_site && tar -xJf "$CARRY/site.tar.xz" -C /tmp/gpu_site
+  export PYTHONPATH=/tmp/gpu_site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export MUJOCO_GL=egl PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+VLA=("$PY" -m vla_accel_ros.cli)
+say "python: $("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tail -1)"
+STEP_ARGS=()
+[ "$STEPS" -gt 0 ] && STEP_ARGS=(--steps "$STEPS")
+record() {  # SEED EPISODES OUT: one bag, under a timeout, its output in the log
+  timeout -k 10 "$BAG_TIMEOUT" "${VLA[@]}" sim record --task "$TASK" --episodes "$2" --seed "$1" \
+    --cameras "$CAMERAS" --render-every "$RENDER_EVERY" "${STEP_ARGS[@]}" --out "$3" >> "$LOG" 2>&1
+}
+
+# -- recording ---------------------------------------------------------------------------------------
+DATA=$WORKDIR/data
+if [ "$RECORD_S" -gt 0 ]; then
+  rm -rf "$DATA" && mkdir -p "$DATA"
+  # One short episode first: a machine that cannot render (or lacks a package) fails here, in seconds,
+  # not after minutes of recorders that all fail.
+  if ! timeout 120 "${VLA[@]}" sim record --task "$TASK" --episodes 1 --seed 1 --steps 8 --cameras "$CAMERAS" \
+      --out "$WORKDIR/probe" >> "$LOG" 2>&1; then
+    tail -n 20 "$LOG"
+    say "FAILED: a one-episode probe recording failed (the log's end above): the simulator, its EGL context or a package does not work here; nothing recorded"
+    echo "failed: render probe" >> "$SUMMARY"
+    exit 1
+  fi
+  rm -rf "$WORKDIR/probe"
+  END=$(( T0 + RECORD_S ))
+  pids=()
+  record "$VAL_SEED" "$VAL_EPISODES" "$DATA/val" &
+  pids+=($!)
+  for p in $(seq 0 $(( PROCS - 1 ))); do
+    (
+      k=0
+      while :; do  # at least one bag each, then none started after RECORD_S
+        record $(( SEED0 + 1000 * p + EPISODES_PER_BAG * k )) "$EPISODES_PER_BAG" "$DATA/p${p}_k${k}"
+        k=$(( k + 1 ))
+        [ $SECONDS -lt $END ] || break
+      done
+    ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  # A bag is complete when its writer closed it (metadata.yaml); others are dropped.
+  for b in "$DATA"/*/; do [ -f "$b/metadata.yaml" ] || { say "dropping incomplete bag $b"; rm -rf "$b"; }; done
+fi
+BAGS=$(ls -d "$DATA"/p*_k* 2>/dev/null | sort -V)
+NBAGS=$(echo "$BAGS" | grep -c . || true)
+successes=$(grep -h -o "[0-9]* successes" "$LOG" | awk '{s += $1} END {print s + 0}')
+say "recorded: $NBAGS training bags of $EPISODES_PER_BAG episodes, validation bag: $([ -f "$DATA/val/metadata.yaml" ] && echo yes || echo no); scripted successes (all bags, probe included): $successes"
+echo "bags $NBAGS x $EPISODES_PER_BAG, recorded by $(( SECONDS - T0 )) s" >> "$SUMMARY"
+if [ "$NBAGS" -eq 0 ] || [ ! -f "$DATA/val/metadata.yaml" ]; then
+  say "FAILED: no training bag or no validation bag"
+  exit 1
+fi
+
+# -- training ----------------------------------------------------------------------------------------
+LEFT=$(( DEADLINE_S - (SECONDS - T0) - PACK_S ))
+if [ "$LEFT" -lt 60 ]; then
+  say "FAILED: $LEFT s left for training"
+  exit 1
+fi
+FIT=$(awk -v s="$LEFT" 'BEGIN {printf "%.2f", (s - 20) / 60}')  # 20 s: imports and the last checkpoint
+INIT=()
+[ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
+say "training for $FIT min (--fit-minutes counts the reading of the bags)"
+# shellcheck disable=SC2086  # TRAIN_ARGS and TRAIN_EXTRA are lists of flags
+timeout -k 10 "$(( LEFT + 10 ))" "${VLA[@]}" train $TRAIN_ARGS $TRAIN_EXTRA --data $BAGS "$DATA/val" --val-episodes "$VAL_EPISODES" \
+  --fit-minutes "$FIT" --device "$DEVICE" --read-workers "$PROCS" "${INIT[@]}" --out "$WORKDIR/$RUN" >> "$LOG" 2>&1
+rc=$?
+say "training ended with status $rc"
+echo "train status $rc at $(( SECONDS - T0 )) s" >> "$SUMMARY"
+tr '\r' '\n' < "$LOG" | grep -E '^training |^stopped|fit|"bundle"' | grep -v 'step/s' | tail -n 8 >> "$SUMMARY"
+
+# -- packing -----------------------------------------------------------------------------------------
+# At most 8 files of 16 MiB come back: the final bundle and the two latest kept steps, each a tar
+# cut into 15 MiB parts (a SmolVLA bundle is ~18 MB), plus this log and the summary.
+pack() {  # BUNDLE_DIR NAME
+  [ -f "$1/model.safetensors" ] || return 0
+  tar -C "$1" -cf - --exclude=checkpoint --exclude=steps . | split -b 15M -d - "$OUTDIR/$2.tar."
+  echo "packed $2 <- $1" >> "$SUMMARY"
+}
+pack "$WORKDIR/$RUN" final
+mapfile -t kept < <(ls -d "$WORKDIR/$RUN"/steps/* 2>/dev/null | sort -V | tail -n 2)
+[ ${#kept[@]} -ge 1 ] && pack "${kept[-1]}" step_b
+[ ${#kept[@]} -ge 2 ] && pack "${kept[0]}" step_a
+say "done; $(ls "$OUTDIR" | tr '\n' ' ')"
+exit "$rc"

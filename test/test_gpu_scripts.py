@@ -1,0 +1,75 @@
+"""scripts/gpu_record_train.sh, the one command a borrowed GPU machine runs, dry on this CPU:
+the same script with the recipe's own training flags (against the shipped SmolVLA bundle it
+starts from), only smaller, through recording, training, keeping steps and packing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PART_LIMIT = 16 * 2**20  # what one returned file may hold
+FILE_LIMIT = 8  # how many files may come back
+
+
+def test_the_gpu_script_records_trains_from_the_shipped_bundle_and_packs_what_comes_back(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {
+        **os.environ, "PY": sys.executable, "CARRY": str(tmp_path / "none"), "OUTDIR": str(out), "WORKDIR": str(work),
+        "PROCS": "1", "RECORD_S": "1", "EPISODES_PER_BAG": "1", "STEPS": "16", "VAL_EPISODES": "1", "DEVICE": "cpu",
+        "DEADLINE_S": "400", "TRAIN_EXTRA": "--batch 2 --max-steps 2 --keep-every 1 --checkpoint-every 1 --threads 2 "
+        "--loader-threads 0",
+    }  # fmt: skip
+    run = subprocess.run(["bash", "scripts/gpu_record_train.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    log = (out / "run.log").read_text() if (out / "run.log").is_file() else ""
+    assert run.returncode == 0, run.stdout + run.stderr + log[-3000:]
+    assert "recorded: 1 training bags of 1 episodes, validation bag: yes" in run.stdout
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= FILE_LIMIT, files
+    assert all(p.stat().st_size <= PART_LIMIT for p in out.iterdir())
+    assert {"run.log", "summary.txt"} <= set(files)
+    for name in ("final", "step_a", "step_b"):
+        parts = sorted(out.glob(f"{name}.tar.*"))
+        assert len(parts) == 2, files  # a SmolVLA bundle is ~18 MB: cut in two
+        dest = tmp_path / "back" / name
+        dest.mkdir(parents=True)
+        subprocess.run(f"cat {' '.join(map(str, parts))} | tar -xf - -C {dest}", shell=True, check=True)
+        assert not (dest / "checkpoint").exists() and not (dest / "steps").exists()
+
+    from vla_accel_ros.core.bundle import load_bundle
+
+    final, shipped = load_bundle(tmp_path / "back" / "final"), load_bundle(ROOT / "bundles" / "transfer_cube-smolvla")
+    assert final.spec.family == "smolvla" and final.spec.cameras == shipped.spec.cameras
+    assert final.state_dict.keys() == shipped.state_dict.keys()
+    # It trained from the shipped weights: two steps move them a little, not to a new init.
+    name = next(k for k, v in shipped.state_dict.items() if v.ndim == 2 and "vision" in k)
+    diff = (final.state_dict[name].float() - shipped.state_dict[name].float()).abs().max().item()
+    assert 0 < diff < 0.05, diff
+    kept = sorted(p.name for p in (work / "run" / "steps").iterdir())
+    assert kept == ["0000001", "0000002"], kept
+    summary = (out / "summary.txt").read_text()
+    assert "train status 0" in summary and '"steps": 2' in summary, summary
+
+
+def test_a_failing_probe_recording_stops_the_script_before_the_recorders_start(tmp_path):
+    env = {**os.environ, "PY": sys.executable, "CARRY": str(tmp_path / "none"), "OUTDIR": str(tmp_path / "out"),
+           "WORKDIR": str(tmp_path / "work"), "TASK": "no_such_task"}  # fmt: skip
+    run = subprocess.run(["bash", "scripts/gpu_record_train.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 1
+    assert "FAILED: a one-episode probe recording failed" in run.stdout
+    assert not (tmp_path / "work" / "data").exists() or not any((tmp_path / "work" / "data").iterdir())
+
+
+@pytest.mark.parametrize("name", ["gym-aloha", "dm-control", "mujoco", "gymnasium", "rosbags", "lz4", "transformers"])
+def test_what_the_carry_script_pins_is_pinned_in_the_requirements(name):
+    script = (ROOT / "scripts" / "gpu_carry.sh").read_text()
+    assert re.search(rf"PINNED=\([^)]*\b{re.escape(name)}\b", script)
+    reqs = "\n".join(p.read_text() for p in ROOT.glob("requirements*.txt"))
+    assert re.search(rf"(?im)^{re.escape(name)}==\S+", reqs), name
