@@ -307,6 +307,8 @@ class ChunkDataset:
         for image policies trained on few demonstrations; ``defer_shift``: only its offsets are
         drawn here, :meth:`Batch.device_frames` applies them where the model runs (on a GPU,
         a gather there instead of most of a batch's CPU time at 384 px)."""
+        if self.image_tokens is not None and shift > 0:
+            raise ConfigError("a batch of precomputed image tokens cannot be shifted (the frozen tower saw the frames once)")
         h = self.chunk_size
         frames, states, actions, valid, reasoning = [], [], [], [], []
         for r in rows:
@@ -318,6 +320,7 @@ class ChunkDataset:
             pad = h - chunk.shape[0]
             if pad:
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)])
+            # the frame, or its frozen tower's tokens when they were computed once
             frames.append(e.frames[t] if self.image_tokens is None else self.image_tokens[int(ei)][int(t)])
             states.append(e.states[t])
             actions.append(chunk)
@@ -325,8 +328,6 @@ class ChunkDataset:
             if self.reasoning is not None:
                 reasoning.append(words_of(self.reasoning.text(tick, e.states[t])))
         if self.image_tokens is not None:
-            if shift > 0:
-                raise ConfigError("a batch of precomputed image tokens cannot be shifted (the frozen tower saw the frames once)")
             return Batch(
                 frames=None, image_tokens=torch.stack(frames), states=torch.from_numpy(np.stack(states)),
                 actions=torch.from_numpy(np.stack(actions)), valid=torch.from_numpy(np.stack(valid)),
