@@ -28,10 +28,12 @@ from vla_accel_ros.models.reference import check_fixture, fixture_observation, l
 FIXTURE = helpers.SHARED_FIXTURES / "pi0-lerobot"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _the_fixture():
     """Every test here reads LeRobot's pi0 outputs from ../shared (18 MB, not in the repository):
-    without it they skip, saying the pi0 family goes unchecked; in CI they fail instead."""
+    without it they skip, saying the pi0 family goes unchecked; in CI they fail instead. Module
+    scope: it must run before the module-scoped ``bundle`` reads the fixture (a function-scoped
+    check ran after it, and a checkout without ../shared errored instead of skipping)."""
     helpers.shared_fixture("pi0-lerobot", "the pi0 family (import, parity with LeRobot, bf16, replay)")
 
 
