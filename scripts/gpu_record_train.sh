@@ -83,7 +83,15 @@ if [ "$RECORD_S" -gt 0 ]; then
     echo "failed: render probe" >> "$SUMMARY"
     exit 1
   fi
-  rm -rf "$WORKDIR/probe"
+  # One training step on the probe bag, beside the recorders: a trainer that cannot run here (a
+  # package, the GPU, the initial bundle) stops the call in a minute, with most of the device
+  # time left for a second call after the fix, not after minutes of recording.
+  INIT=()
+  [ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
+  # shellcheck disable=SC2086  # TRAIN_ARGS and TRAIN_EXTRA are lists of flags
+  timeout -k 10 240 "${VLA[@]}" train $TRAIN_ARGS $TRAIN_EXTRA --data "$WORKDIR/probe" --val-episodes 0 --max-steps 1 \
+    --device "$DEVICE" "${INIT[@]}" --out "$WORKDIR/smoke" > "$WORKDIR/smoke.log" 2>&1 &
+  smoke=$!
   END=$(( T0 + RECORD_S ))
   pids=()
   record "$VAL_SEED" "$VAL_EPISODES" "$DATA/val" &
@@ -91,7 +99,7 @@ if [ "$RECORD_S" -gt 0 ]; then
   for p in $(seq 0 $(( PROCS - 1 ))); do
     (
       k=0
-      while :; do  # at least one bag each, then none started after RECORD_S
+      while [ ! -f "$WORKDIR/stop" ]; do  # at least one bag each, then none started after RECORD_S
         record $(( SEED0 + 1000 * p + EPISODES_PER_BAG * k )) "$EPISODES_PER_BAG" "$DATA/p${p}_k${k}"
         k=$(( k + 1 ))
         [ $SECONDS -lt $END ] || break
@@ -99,6 +107,17 @@ if [ "$RECORD_S" -gt 0 ]; then
     ) &
     pids+=($!)
   done
+  if ! wait "$smoke"; then
+    touch "$WORKDIR/stop"
+    for p in "${pids[@]}"; do pkill -P "$p"; done  # their recorders (timeout passes the signal on)
+    wait "${pids[@]}"
+    tr '\r' '\n' < "$WORKDIR/smoke.log" | grep -v 'step/s' | tail -n 25 | tee -a "$LOG"
+    say "FAILED: one training step on the probe recording failed (its log's end above); recording stopped"
+    echo "failed: training smoke" >> "$SUMMARY"
+    exit 1
+  fi
+  say "one training step on the probe recording ran: $(grep -h '"bundle"' "$WORKDIR/smoke.log" | tail -1)"
+  rm -rf "$WORKDIR/probe" "$WORKDIR/smoke"
   wait "${pids[@]}"
   # A bag is complete when its writer closed it (metadata.yaml); others are dropped.
   for b in "$DATA"/*/; do [ -f "$b/metadata.yaml" ] || { say "dropping incomplete bag $b"; rm -rf "$b"; }; done
@@ -122,6 +141,7 @@ fi
 FIT=$(awk -v s="$LEFT" 'BEGIN {printf "%.2f", (s - 20) / 60}')  # 20 s: imports and the last checkpoint
 INIT=()
 [ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
+rm -f "$WORKDIR/stop"
 say "training for $FIT min (--fit-minutes counts the reading of the bags)"
 # shellcheck disable=SC2086  # TRAIN_ARGS and TRAIN_EXTRA are lists of flags
 timeout -k 10 "$(( LEFT + 10 ))" "${VLA[@]}" train $TRAIN_ARGS $TRAIN_EXTRA --data $BAGS "$DATA/val" --val-episodes "$VAL_EPISODES" \

@@ -67,6 +67,23 @@ def test_a_failing_probe_recording_stops_the_script_before_the_recorders_start(t
     assert not (tmp_path / "work" / "data").exists() or not any((tmp_path / "work" / "data").iterdir())
 
 
+def test_a_trainer_that_cannot_start_stops_the_recorders_and_the_script(tmp_path):
+    """The training smoke on the probe bag (here: an initial bundle that is not there) ends the
+    call in about a minute, the recorders stopped, before any training on their bags."""
+    env = {
+        **os.environ, "PY": sys.executable, "CARRY": str(tmp_path / "none"), "OUTDIR": str(tmp_path / "out"),
+        "WORKDIR": str(tmp_path / "work"), "PROCS": "1", "RECORD_S": "300", "EPISODES_PER_BAG": "1", "STEPS": "16",
+        "VAL_EPISODES": "1", "DEVICE": "cpu", "INIT_FROM": str(tmp_path / "no_bundle"),
+    }  # fmt: skip
+    run = subprocess.run(["bash", "scripts/gpu_record_train.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=200)  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "FAILED: one training step on the probe recording failed" in run.stdout
+    assert "no_bundle" in run.stdout  # the trainer's own error reaches the output that comes back
+    assert "training for" not in run.stdout
+    assert (tmp_path / "out" / "summary.txt").read_text().strip() == "failed: training smoke"
+
+
 @pytest.mark.parametrize("name", ["gym-aloha", "dm-control", "mujoco", "gymnasium", "rosbags", "lz4", "transformers"])
 def test_what_the_carry_script_pins_is_pinned_in_the_requirements(name):
     script = (ROOT / "scripts" / "gpu_carry.sh").read_text()
