@@ -73,7 +73,7 @@ record() {  # SEED EPISODES OUT: one bag, under a timeout, its output in the log
 # -- recording ---------------------------------------------------------------------------------------
 DATA=$WORKDIR/data
 if [ "$RECORD_S" -gt 0 ]; then
-  rm -rf "$DATA" && mkdir -p "$DATA"
+  rm -rf "$DATA" "$WORKDIR/stop" && mkdir -p "$DATA"  # stop: the recorders' signal, left by a failed call
   # One short episode first: a machine that cannot render (or lacks a package) fails here, in seconds,
   # not after minutes of recorders that all fail.
   if ! timeout 120 "${VLA[@]}" sim record --task "$TASK" --episodes 1 --seed 1 --steps 8 --cameras "$CAMERAS" \
@@ -141,7 +141,6 @@ fi
 FIT=$(awk -v s="$LEFT" 'BEGIN {printf "%.2f", (s - 20) / 60}')  # 20 s: imports and the last checkpoint
 INIT=()
 [ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
-rm -f "$WORKDIR/stop"
 say "training for $FIT min (--fit-minutes counts the reading of the bags)"
 # shellcheck disable=SC2086  # TRAIN_ARGS and TRAIN_EXTRA are lists of flags
 timeout -k 10 "$(( LEFT + 10 ))" "${VLA[@]}" train $TRAIN_ARGS $TRAIN_EXTRA --data $BAGS "$DATA/val" --val-episodes "$VAL_EPISODES" \
