@@ -65,6 +65,8 @@ VLA=("$PY" -m vla_accel_ros.cli)
 say "python: $("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tail -1)"
 STEP_ARGS=()
 [ "$STEPS" -gt 0 ] && STEP_ARGS=(--steps "$STEPS")
+INIT=()
+[ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
 record() {  # SEED EPISODES OUT: one bag, under a timeout, its output in the log
   timeout -k 10 "$BAG_TIMEOUT" "${VLA[@]}" sim record --task "$TASK" --episodes "$2" --seed "$1" \
     --cameras "$CAMERAS" --render-every "$RENDER_EVERY" "${STEP_ARGS[@]}" --out "$3" >> "$LOG" 2>&1
@@ -86,8 +88,6 @@ if [ "$RECORD_S" -gt 0 ]; then
   # One training step on the probe bag, beside the recorders: a trainer that cannot run here (a
   # package, the GPU, the initial bundle) stops the call in a minute, with most of the device
   # time left for a second call after the fix, not after minutes of recording.
-  INIT=()
-  [ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
   # shellcheck disable=SC2086  # TRAIN_ARGS and TRAIN_EXTRA are lists of flags
   timeout -k 10 240 "${VLA[@]}" train $TRAIN_ARGS $TRAIN_EXTRA --data "$WORKDIR/probe" --val-episodes 0 --max-steps 1 \
     --device "$DEVICE" "${INIT[@]}" --out "$WORKDIR/smoke" > "$WORKDIR/smoke.log" 2>&1 &
@@ -139,8 +139,6 @@ if [ "$LEFT" -lt 60 ]; then
   exit 1
 fi
 FIT=$(awk -v s="$LEFT" 'BEGIN {printf "%.2f", (s - 20) / 60}')  # 20 s: imports and the last checkpoint
-INIT=()
-[ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
 say "training for $FIT min (--fit-minutes counts the reading of the bags)"
 # shellcheck disable=SC2086  # TRAIN_ARGS and TRAIN_EXTRA are lists of flags
 timeout -k 10 "$(( LEFT + 10 ))" "${VLA[@]}" train $TRAIN_ARGS $TRAIN_EXTRA --data $BAGS "$DATA/val" --val-episodes "$VAL_EPISODES" \

@@ -327,25 +327,18 @@ class ChunkDataset:
             valid.append(np.arange(h) < h - pad)
             if self.reasoning is not None:
                 reasoning.append(words_of(self.reasoning.text(tick, e.states[t])))
+        common = dict(
+            states=torch.from_numpy(np.stack(states)), actions=torch.from_numpy(np.stack(actions)),
+            valid=torch.from_numpy(np.stack(valid)), instruction=self.instruction,
+            reasoning=reasoning if self.reasoning is not None else None,
+        )  # fmt: skip
         if self.image_tokens is not None:
-            return Batch(
-                frames=None, image_tokens=torch.stack(frames), states=torch.from_numpy(np.stack(states)),
-                actions=torch.from_numpy(np.stack(actions)), valid=torch.from_numpy(np.stack(valid)),
-                instruction=self.instruction, reasoning=reasoning if self.reasoning is not None else None,
-            )  # fmt: skip
+            return Batch(frames=None, image_tokens=torch.stack(frames), **common)
         raw = torch.from_numpy(np.stack(frames))  # [B, C, S, S, 3] uint8
         offsets = shift_offsets(raw.shape[0] * raw.shape[1], shift, generator) if shift > 0 else None
         if offsets is not None and not defer_shift:
             raw, offsets = _shift_by_slices(raw, offsets), None
-        return Batch(
-            offsets=offsets,
-            frames=raw,
-            states=torch.from_numpy(np.stack(states)),
-            actions=torch.from_numpy(np.stack(actions)),
-            valid=torch.from_numpy(np.stack(valid)),
-            instruction=self.instruction,
-            reasoning=reasoning if self.reasoning is not None else None,
-        )
+        return Batch(frames=raw, offsets=offsets, **common)
 
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
         return np.random.default_rng([seed, epoch]).permutation(len(self))
