@@ -25,6 +25,16 @@ from pathlib import Path
 LAUNCH_SIGINT_TIMEOUT_S = 5.0
 # What `ros2 launch vla_accel_ros aloha.launch.py` needs besides rclpy (ros2launch is `ros2 launch`).
 LAUNCH_STACK = ("launch", "launch_ros", "ros2cli", "ros2launch", "ros2node", "ros2param", "ros2topic", "composition_interfaces")
+# A line Fast DDS logs itself (to stdout, in colour), e.g. "2026-11-28 19:48:11.194
+# [RTPS_TRANSPORT_SHM Error] Failed init_port ...: open_and_lock_file failed": a long-lived
+# machine's /dev/shm keeps stale port files, and the CLI then prints this before its answer.
+DDS_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:.]+ \[RTPS_\w+ (Error|Warning|Info)\].*$")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def without_dds_log(text: str) -> str:
+    """``text`` without the lines Fast DDS logs itself: what the command answered."""
+    return "".join(line for line in text.splitlines(keepends=True) if not DDS_LOG_LINE.match(ANSI.sub("", line)))
 
 
 def missing() -> str:
@@ -70,7 +80,8 @@ class Ros2:
         A command still running after ``timeout`` is killed and run again (``retries`` times): the
         ros2 CLI waits without a limit for a service response, which a loaded machine can lose
         when the reply is sent before discovery matched the CLI's reader (seen once in ~30 runs
-        of `ros2 param dump`, under a full test suite and a training job)."""
+        of `ros2 param dump`, under a full test suite and a training job). Fast DDS's own log
+        lines are left out of the outputs."""
         procs = [subprocess.Popen(self.argv(c), env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
         done = []
         for command, p in zip(commands, procs):
@@ -83,7 +94,7 @@ class Ros2:
                     done.append(self.run_all([command], timeout, retries - 1)[0])
                     continue
                 out, err = "", f"`{command}` did not end within {timeout:g} s"
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, without_dds_log(out), without_dds_log(err)))
         return done
 
     def run_for(self, command: str, seconds: float) -> str:

@@ -189,3 +189,47 @@ def test_parity_gate_reports_numbers_and_catches_a_wrong_kernel(tiny_bundles):
     policy.vlm_engine.kernels = Off()
     bad = run_parity(policy)
     assert not bad.passed and "FAIL" in bad.table()
+
+
+def test_bundle_average_weighs_every_tensor_and_statistic_and_refuses_what_does_not_average(tiny_bundles, tmp_path):
+    """``vla-accel bundle average``: each weight and normalization statistic is the weighted sum
+    of the bundles'; the name and noise scale are the first bundle's; averaging a bundle with
+    itself gives its policy back; bundles of another architecture, bad weights and an existing
+    --out are refused with the reason."""
+    import numpy as np
+
+    from vla_accel_ros.cli import main
+    from vla_accel_ros.core.errors import ConfigError
+    from vla_accel_ros.core.parity import fixed_observation
+    from vla_accel_ros.models.average import average_bundles
+    from vla_accel_ros.models.factory import create_demo_bundle
+
+    a = tiny_bundles["flow"]
+    stats = json.loads((a / CONFIG_FILE).read_text())["norm_stats"]
+    shifted = {k: {s: (np.asarray(v) + 1.0).tolist() for s, v in d.items()} for k, d in stats.items()}
+    b = create_demo_bundle("flow", "tiny", tmp_path / "b0", seed=1)
+    b = _edit_config(b, tmp_path / "b", norm_stats=shifted, name="other", noise_scale=0.5)
+    out = tmp_path / "avg"
+    assert main(["bundle", "average", "--bundle", str(a), "--bundle", str(b), "--weights", "0.25,0.75", "--out", str(out)]) == 0
+    wa, wb, avg = (load_bundle(p).state_dict for p in (a, b, out))
+    assert avg.keys() == wa.keys() and all(avg[k].dtype == wa[k].dtype for k in wa)
+    for k in wa:
+        assert torch.allclose(avg[k].float(), 0.25 * wa[k].float() + 0.75 * wb[k].float(), atol=1e-6), k
+    spec, first = read_spec(out), read_spec(a)
+    assert spec.name == first.name and spec.noise_scale == first.noise_scale
+    assert np.allclose(spec.norm_stats["action"]["mean"], np.asarray(stats["action"]["mean"]) + 0.75)
+    average_bundles([a, a], tmp_path / "same")
+    obs = fixed_observation(first, 0)
+    chunks = [load_policy(p).infer(obs, noise=np.zeros(load_policy(a).noise_shape, np.float32)).actions for p in (a, tmp_path / "same")]
+    assert np.array_equal(*chunks)
+    refused = {
+        "exists already": dict(paths=[a, b], out=out),
+        "give two bundles or more": dict(paths=[a], out=tmp_path / "x"),
+        "must sum to 1": dict(paths=[a, b], out=tmp_path / "x", weights=[0.5, 0.6]),
+        "2 weights for 3 bundles": dict(paths=[a, b, a], out=tmp_path / "x", weights=[0.5, 0.5]),
+        "differs from .*family": dict(paths=[a, tiny_bundles["ar"]], out=tmp_path / "x"),
+    }
+    for words, kw in refused.items():
+        with pytest.raises((ConfigError, BundleError), match=words):
+            average_bundles(**kw)
+    assert not (tmp_path / "x").exists()

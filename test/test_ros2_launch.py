@@ -60,6 +60,14 @@ class Graph:
         return [(o.returncode, o.stdout.strip(), o.stderr.strip()) for o in self.ros2.run_all(commands)]
 
 
+def test_fast_dds_log_lines_are_not_taken_for_the_cli_answer():
+    """What `ros2 param get` printed on a machine whose /dev/shm held stale Fast DDS port files."""
+    logged = ("\x1b[37;1m2026-11-28 19:48:11.194 \x1b[31;1m[\x1b[37;1mRTPS_TRANSPORT_SHM\x1b[31;1m Error] \x1b[37mFailed "
+              "init_port fastrtps_port7004: open_and_lock_file failed\x1b[34;1m -> Function \x1b[36mopen_port_internal\x1b[m\n")  # fmt: skip
+    assert ros2_cli.without_dds_log(logged + "Double value is: 0.95\n").strip() == "Double value is: 0.95"
+    assert ros2_cli.without_dds_log("RTPS_TRANSPORT_SHM in an answer stays\n") == "RTPS_TRANSPORT_SHM in an answer stays\n"
+
+
 def test_the_nodes_come_up(graph):
     expected = {graph.name(n) for n in (CAMERA, POLICY, CONTROLLER, SYNTHETIC, RECORDER)}
     seen = graph.ros2.node_list(expected)

@@ -245,7 +245,8 @@ def test_a_smolvla_trains_here_without_the_state_and_loads_as_lerobots_architect
     """``--family smolvla``: two cameras read at their own size and padded as LeRobot pads them
     (read by two processes), its own tokenizer written into the bundle, a schedule sized by
     --fit-minutes; without the state the projection stays zero, so the chunk is the same
-    whatever the state; the bundle passes the parity gate. With the state it learns from it.
+    whatever the state; the bundle passes the parity gate. With the state it learns from it, also
+    from a stateless bundle (--init-from) with --state-dropout.
     --keep-every keeps each step's weights as a bundle of their own, the tokenizer included."""
     from safetensors.torch import load_file
 
@@ -264,6 +265,9 @@ def test_a_smolvla_trains_here_without_the_state_and_loads_as_lerobots_architect
     assert "--fit-minutes 0.001: " in capsys.readouterr().err  # the probe's steps, then the fitted end
     assert (blind / "tokenizer" / "tokenizer.json").is_file()
     assert main(common + ["--out", str(seeing), "--max-steps", "2", "--keep-every", "1"]) == 0
+    # A bundle trained without the state takes it on: its zero projection trains from the start.
+    taught = tmp_path / "taught"
+    assert main(common + ["--out", str(taught), "--max-steps", "2", "--init-from", str(blind), "--state-dropout", "0.5"]) == 0
     kept = sorted(p.name for p in (seeing / "steps").iterdir())
     assert kept == ["0000001", "0000002"]
     assert (seeing / "steps" / "0000001" / "tokenizer" / "tokenizer.json").is_file()
@@ -273,10 +277,11 @@ def test_a_smolvla_trains_here_without_the_state_and_loads_as_lerobots_architect
     with BagReader(bags[0]) as bag:
         obs = next(iter(bag.samples())).observation
     moved = type(obs)(**{**obs.__dict__, "state": np.asarray(obs.state) + 0.3})
-    for out, state_matters in ((blind, False), (seeing, True), (seeing / "steps" / "0000001", True)):
+    for out, state_matters in ((blind, False), (seeing, True), (seeing / "steps" / "0000001", True), (taught, True)):
         policy = load_policy(out)  # the start-up gate on the trained bundle
         assert policy.spec.image_resize == "pad" and policy.spec.tokenizer == "bundle" and policy.parity_report.passed
-        assert torch.count_nonzero(policy.model.state_proj.weight).item() == (0 if not state_matters else policy.model.state_proj.weight.numel())
+        nonzero = torch.count_nonzero(policy.model.state_proj.weight).item()
+        assert nonzero > 0 if state_matters else nonzero == 0
         noise = np.zeros(policy.noise_shape, np.float32)
         same = np.array_equal(policy.infer(obs, noise=noise).actions, policy.infer(moved, noise=noise).actions)
         assert same != state_matters

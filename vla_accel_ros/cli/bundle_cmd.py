@@ -1,4 +1,4 @@
-"""``vla-accel bundle create-demo | import | export-lerobot | inspect``."""
+"""``vla-accel bundle create-demo | import | export-lerobot | average | inspect``."""
 
 from __future__ import annotations
 
@@ -68,6 +68,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--image-size", default="480x640", metavar="HxW",
                    help="camera frame size the features declare (default 480x640; LeRobot resizes what arrives)")
     e.set_defaults(func=_export_lerobot)
+
+    a = command(
+        bsub, "average", "write the weighted average of bundles of one architecture (a model soup)",
+        "vla-accel bundle average --bundle bundles/transfer_cube-smolvla --bundle runs/F2 --weights 0.5,0.5 --out CF2",
+        details="Averages every weight (in float32, saved in the first bundle's dtype) and the normalization statistics "
+        "with the same weights; the name and noise_scale are the first bundle's, every other config field must match. "
+        "Meant for runs that start from one bundle (a policy and one trained on from it): their average can keep what "
+        "each does well. Judge the result in the closed loop (vla-accel eval) like any other policy.",
+    )  # fmt: skip
+    a.add_argument("--bundle", action="append", required=True, metavar="B", help="a bundle to average (give it twice or more)")
+    a.add_argument("--weights", default="", metavar="W1,W2,...",
+                   help="one weight per --bundle, >= 0, summing to 1 (default: uniform)")
+    a.add_argument("--out", required=True, help="bundle directory to write (never overwritten)")
+    a.set_defaults(func=_average)
 
     i = command(bsub, "inspect", "print a bundle's configuration", "vla-accel bundle inspect bundles/transfer_cube-flow")
     i.add_argument("path")
@@ -146,6 +160,22 @@ def _export_lerobot(args: argparse.Namespace) -> int:
     if scale != 1.0:  # LeRobot has no such setting: said here, not left to surprise a comparison
         print(f"note: the bundle runs at noise_scale {scale:g}; LeRobot's runtime samples at 1 "
               "(vla-accel eval --modes lerobot and bench lerobot hand it the noise already scaled)")
+    return 0
+
+
+def _average(args: argparse.Namespace) -> int:
+    from vla_accel_ros.core.errors import ConfigError
+    from vla_accel_ros.models.average import average_bundles
+    from vla_accel_ros.models.factory import inspect_bundle
+
+    try:
+        weights = [float(w) for w in args.weights.split(",")] if args.weights.strip() else None
+    except ValueError:
+        raise ConfigError(f"--weights {args.weights!r}: give numbers separated by commas, e.g. 0.5,0.5") from None
+    t = time.perf_counter()
+    path = average_bundles(args.bundle, args.out, weights)
+    print(inspect_bundle(path))  # the loader's checks on what was written
+    print(f"averaged {len(args.bundle)} bundles in {time.perf_counter() - t:.1f} s")
     return 0
 
 

@@ -135,8 +135,6 @@ class TrainConfig(Config):
             raise ConfigError(f"TrainConfig.reasoning={self.reasoning!r}: the {self.family} family writes no reasoning")
         if self.state_dropout and not self.state:
             raise ConfigError(f"TrainConfig.state_dropout={self.state_dropout} needs the state input (state=True)")
-        if family.state_required and self.state_dropout:
-            raise ConfigError(f"TrainConfig.state_dropout: not for the {self.family} family (train with or without the state)")
         if self.conv_stem or self.image_size or self.patch_size:  # before hours of reading bags: a stem must divide the patch
             from vla_accel_ros.models.factory import demo_spec
 
