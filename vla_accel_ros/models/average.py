@@ -21,7 +21,7 @@ import torch
 
 from vla_accel_ros.core.bundle import TOKENIZER_DIR, BundleSpec, save_bundle
 from vla_accel_ros.core.errors import BundleError, ConfigError
-from vla_accel_ros.models.factory import load_bundle
+from vla_accel_ros.models.factory import check_weights, load_bundle
 
 # What the average takes from the first bundle instead of requiring it equal: its name and how it
 # runs (the noise it samples at), not what it is. Everything else in config.json must match.
@@ -44,6 +44,8 @@ def average_bundles(paths: list[str | Path], out: str | Path, weights: list[floa
     if any(not math.isfinite(w) or w < 0 for w in weights) or abs(sum(weights) - 1.0) > 1e-6:
         raise ConfigError(f"--weights {','.join(f'{w:g}' for w in weights)}: each must be >= 0 and they must sum to 1")
     bundles = [load_bundle(p) for p in paths]
+    for b in bundles:  # the loader's rule: with the configs equal below, names and shapes then match too
+        check_weights(b.path, b.spec, {k: (tuple(v.shape), v.is_floating_point()) for k, v in b.state_dict.items()})
     first = bundles[0]
     reference = _comparable(first.spec)
     for b in bundles[1:]:
@@ -54,10 +56,6 @@ def average_bundles(paths: list[str | Path], out: str | Path, weights: list[floa
             raise BundleError(f"{b.path}: config.json differs from {first.path}'s in {', '.join(differ)} "
                               f"({k}: {other.get(k)!r} against {reference.get(k)!r}); only bundles of one "
                               f"architecture and data layout average")  # fmt: skip
-        if b.state_dict.keys() != first.state_dict.keys() or any(
-            b.state_dict[k].shape != v.shape for k, v in first.state_dict.items()
-        ):
-            raise BundleError(f"{b.path}: its weights' names or shapes differ from {first.path}'s")
         _same_tokenizer(first.path, b.path)
     state = {}
     for k, v in first.state_dict.items():
@@ -85,7 +83,7 @@ def _average_stats(stats: list[dict], weights: list[float]) -> dict:
     out: dict = {}
     for key, first in stats[0].items():
         out[key] = {}
-        for name, value in first.items():
+        for name in first:
             try:
                 arrays = [np.asarray(s[key][name], dtype=np.float64) for s in stats]
             except KeyError as e:
