@@ -120,6 +120,34 @@ def test_int8_graphs_pass_the_gate(smolvla, backend):
     assert report.passed and 0 < report.metrics["actions_max_over_std"] <= PrecisionConfig().gate_flow_max_over_std
 
 
+def test_openvino_int8_leaves_the_patch_embedding_unquantized_without_smoothquant(smolvla, tmp_path, capsys):
+    """NNCF's int8 graph as ``quantize_openvino`` makes it (the departures its doc measured):
+    the Convolution reads the raw pixels, no SmoothQuant scales are inserted, every MatMul is
+    still quantized, NNCF's own log lines stay out of the output, and the tokens stay close to
+    the fp32 tower's."""
+    pytest.importorskip("openvino", reason="openvino is not installed (requirements.txt)")
+    pytest.importorskip("nncf", reason="nncf (OpenVINO int8) is not installed (requirements.txt)")
+    import openvino as ov
+
+    from vla_accel_ros.core.backends import GraphRunner, write_graph
+    from vla_accel_ros.models.graphs import camera_inputs, check_vision_runner, vision_example
+
+    base, obs, _, _ = smolvla
+    pixels = torch.cat([base.frames(o).pixels for o in (obs, changed_observation(obs, base.spec))])
+    path = write_graph(base.model.vis, vision_example(base.spec), tmp_path, "vision", "openvino", "int8",
+                       calibration=camera_inputs([pixels]))  # fmt: skip
+    assert "nncf" not in capsys.readouterr().out.lower()
+    ops = ov.Core().read_model(str(path)).get_ops()
+    conv = [o for o in ops if o.get_type_name() == "Convolution"]
+    assert len(conv) == 1 and conv[0].input_value(0).get_node().get_type_name() == "Parameter"
+    assert not [o for o in ops if "smooth_quant" in o.get_friendly_name()]
+    fake_quantized = {o.get_type_name() for o in ops for v in o.input_values() if v.get_node().get_type_name() == "FakeQuantize"}
+    assert "MatMul" in fake_quantized
+    with torch.inference_mode():
+        scale = float(base.model.vis(pixels).std())
+    assert check_vision_runner(GraphRunner(path, "openvino", "int8", threads=1), base.model, pixels) < 0.5 * scale
+
+
 def test_a_precision_the_runtime_does_not_run_falls_back_to_torch_and_says_so(smolvla):
     pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
     base, obs, noise, converted = smolvla

@@ -1,0 +1,77 @@
+"""How far is an OpenVINO vision graph from the eager fp32 tower? (docs/runtime.md, "OpenVINO int8:
+two departures from NNCF's defaults").
+
+Runs a bundle's vision tower + connector eagerly (fp32, the reference) on frames of one bag, then
+on OpenVINO: the fp32 graph with bf16 kernels, NNCF's int8 with NNCF's own defaults (quantized
+here from the fp32 graph, calibrated on the same frames ``vla-accel export`` used) and the int8
+graph ``vla-accel export --onnx --calibrate`` wrote. Prints each one's RMS and max error as a
+share of the tokens' std, and its median time per camera on one thread.
+
+Usage, from the repository root (the shipped bundle: about 2 min)::
+
+    MUJOCO_GL=egl .venv/bin/vla-accel export --bundle bundles/transfer_cube-smolvla --out graphs --onnx \\
+        --calibrate CALIB_BAG --calibrate-frames 32
+    MUJOCO_GL=egl .venv/bin/python docs/measurements/vision_int8_error.py --bundle bundles/transfer_cube-smolvla \\
+        --graphs graphs --frames TEST_BAG
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vla_accel_ros.cli.export_cmd import _bag_pixels
+from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.models.factory import load_policy
+from vla_accel_ros.models.graphs import camera_inputs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--graphs", required=True, type=Path, help="a `vla-accel export --onnx --calibrate` directory")
+    p.add_argument("--frames", required=True, type=Path, help="a bag other than the calibration bag")
+    p.add_argument("--test-frames", type=int, default=24, help="observations of --frames (every 4th of the first 4x)")
+    args = p.parse_args()
+
+    import nncf
+    import openvino as ov
+
+    meta = json.loads((args.graphs / "export.json").read_text())
+    policy = load_policy(args.bundle, PolicyConfig(parity_check=False))
+    calibration = camera_inputs(_bag_pixels(policy, Path(meta["calibration"]), meta["calibration_frames"]))
+    test = np.concatenate(camera_inputs(_bag_pixels(policy, args.frames, 4 * args.test_frames)[::4]))
+    with torch.inference_mode():
+        ref = torch.cat([policy.model.vis(torch.from_numpy(test[i : i + 1])) for i in range(len(test))]).numpy()
+    core = ov.Core()
+    defaults = nncf.quantize(
+        core.read_model(str(args.graphs / "vision.onnx")), nncf.Dataset([{"input": c} for c in calibration]),
+        model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration), preset=nncf.QuantizationPreset.MIXED,
+    )  # fmt: skip
+    runners = {
+        "bf16 (vision.onnx, bf16 kernels)": core.read_model(str(args.graphs / "vision.onnx")),
+        "int8, NNCF's defaults": defaults,
+        "int8, vla-accel export": core.read_model(str(args.graphs / "vision.openvino-int8.xml")),
+    }
+    print(f"{len(test)} camera frames of {args.frames}; calibration {len(calibration)} of {meta['calibration']}")
+    for name, model in runners.items():
+        config = {"INFERENCE_PRECISION_HINT": "bf16", "INFERENCE_NUM_THREADS": 1}  # what the policy's runner sets
+        request = core.compile_model(model, "CPU", config).create_infer_request()
+        out = np.concatenate([np.array(request.infer({0: test[i : i + 1]})[0]) for i in range(len(test))])
+        times = []
+        for _ in range(12):
+            t0 = time.perf_counter()
+            request.infer({0: test[:1]})
+            times.append(time.perf_counter() - t0)
+        err = out - ref
+        print(f"{name:34s} RMS {np.sqrt((err**2).mean()) / ref.std():.2%}  max {np.abs(err).max() / ref.std():.1%}  "
+              f"{1000 * np.median(times):.0f} ms per camera")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
