@@ -122,9 +122,9 @@ def test_int8_graphs_pass_the_gate(smolvla, backend):
 
 def test_openvino_int8_leaves_the_patch_embedding_unquantized_without_smoothquant(smolvla, tmp_path, capsys):
     """NNCF's int8 graph as ``quantize_openvino`` makes it (the departures its doc measured):
-    the Convolution reads the raw pixels, no SmoothQuant scales are inserted, every MatMul is
-    still quantized, NNCF's own log lines stay out of the output, and the tokens stay close to
-    the fp32 tower's."""
+    the Convolution reads the raw pixels, no SmoothQuant scales are inserted, the MatMuls still
+    read quantized inputs, NNCF's own log lines stay out of the output, and the tokens stay close
+    to the fp32 tower's."""
     pytest.importorskip("openvino", reason="openvino is not installed (requirements.txt)")
     pytest.importorskip("nncf", reason="nncf (OpenVINO int8) is not installed (requirements.txt)")
     import openvino as ov
