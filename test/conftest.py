@@ -58,6 +58,16 @@ def _deterministic_torch():
     yield
 
 
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    """``precision: auto`` as on a CPU with bf16 instructions, whatever this one has (an AVX2-only
+    CPU runs fp32 instead: core.precision.WITHOUT_BF16): for the tests of auto's defaults and
+    fallbacks. bf16 layers still run here, emulated where the CPU lacks the instructions."""
+    import vla_accel_ros.models.precision as precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda: True)
+
+
 @pytest.fixture(scope="session")
 def tiny_bundles(tmp_path_factory):
     """Random-weight tiny bundles of both families, written once per test session."""

@@ -58,7 +58,7 @@ def test_the_imported_bundle_computes_what_lerobot_computes(bundle):
         assert gated.parity_report.passed, (accel, gated.parity_report.table())
 
 
-def test_bf16_lands_within_lerobots_own_bf16_difference(bundle):
+def test_bf16_lands_within_lerobots_own_bf16_difference(bundle, bf16_cpu):
     """Unmodified LeRobot runs pi0 in bf16: its actions differ from the fp32 reference by up to
     0.025 (normalized). Ours with the LM and the expert in bf16, and with ``auto``, stay within that."""
     from safetensors.torch import load_file

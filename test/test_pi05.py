@@ -147,7 +147,7 @@ def test_the_engine_takes_the_condition_of_adaptive_norms_only(demo):
                                   cond=torch.zeros(1, policy.expert_stack.cond_dim))  # fmt: skip
 
 
-def test_every_method_runs_on_a_demo_bundle(demo):
+def test_every_method_runs_on_a_demo_bundle(demo, bf16_cpu):
     """The gate passes with the token cache (vision reuse too), pruning and precision ``auto``;
     the compiled expert step (a backend without code generation: the graph and its condition
     input are exercised) gives the eager actions, with and without pruned prefix tokens; Real-Time

@@ -97,7 +97,7 @@ def test_convert_model_per_component(models, family):
 
 @pytest.mark.parametrize("family", ["ar", "flow"])
 @pytest.mark.parametrize("precision", ["bf16", "int8", "hybrid", "auto"])
-def test_each_precision_loads_infers_and_is_gated(models, family, precision):
+def test_each_precision_loads_infers_and_is_gated(models, family, precision, bf16_cpu):
     spec, model = models[family]
     overrides = preset(precision)
     policy = build_policy(spec, model, _config(family, **overrides))
@@ -214,7 +214,7 @@ def test_hybrid_linear_runs_int8_for_few_rows_and_bf16_for_many():
         PrecisionConfig(few_rows=-1)
 
 
-def test_auto_falls_back_while_the_gate_refuses(models):
+def test_auto_falls_back_while_the_gate_refuses(models, bf16_cpu):
     """``auto`` steps components back to fp32 until the gate accepts (random tiny ar weights
     flip tokens under every reduced precision); an explicit precision never falls back."""
     spec, model = models["ar"]
@@ -229,6 +229,28 @@ def test_auto_falls_back_while_the_gate_refuses(models):
     # Components not set to auto keep their value; without auto there is one candidate.
     assert [c.vision for c in PrecisionConfig(lm="auto", vision="bf16").candidates(get_family("ar"))] == ["bf16", "bf16"]
     assert len(PrecisionConfig(lm="int8").candidates(get_family("ar"))) == 1
+
+
+def test_auto_runs_fp32_where_the_cpu_has_no_bf16(models, monkeypatch):
+    """An AVX2-only CPU has no bf16 instructions: oneDNN emulates bf16 there, slower than fp32
+    (the shipped SmolVLA's bf16 fast mode ran 1.6x slower than its fp32 baseline), so ``auto``
+    runs fp32 where a family's default is bf16, int8 where it is hybrid, and says so; an explicit
+    bf16 still runs, with a note."""
+    import vla_accel_ros.models.precision as mp
+
+    monkeypatch.setattr(mp, "native_bf16", lambda: False)
+    auto = PrecisionConfig(**{c: "auto" for c in COMPONENTS})
+    assert auto.resolve(get_family("ar"), native_bf16=False).components() == {
+        "vision": "fp32", "projector": "fp32", "lm": "int8", "expert": "fp32", "heads": "fp32"}  # fmt: skip
+    assert [c.label() for c in auto.candidates(get_family("ar"), native_bf16=False)] == ["lm=int8", "fp32"]
+    assert PrecisionConfig(lm="bf16").resolve(get_family("ar"), native_bf16=False).lm == "bf16"
+    spec, model = models["flow"]
+    policy = build_policy(spec, model, PolicyConfig.from_dict({"precision": preset("auto")}))
+    assert policy.precision.label() == "fp32" and policy.parity_report.passed
+    assert any("no bf16 instructions" in n and "lm=fp32, expert=fp32" in n for n in policy.precision_notes)
+    explicit = build_policy(spec, model, PolicyConfig.from_dict({"precision": preset("bf16")}))
+    assert explicit.precision.label() == "lm=bf16,expert=bf16"
+    assert any("lm=bf16, expert=bf16 runs its bf16 matmuls emulated" in n for n in explicit.precision_notes)
 
 
 def _stacks(model, family):

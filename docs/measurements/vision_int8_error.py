@@ -2,10 +2,12 @@
 two departures from NNCF's defaults").
 
 Runs a bundle's vision tower + connector eagerly (fp32, the reference) on frames of one bag, then
-on OpenVINO: the fp32 graph with bf16 kernels, NNCF's int8 with NNCF's own defaults (quantized
-here from the fp32 graph, calibrated on the same frames ``vla-accel export`` used) and the int8
-graph ``vla-accel export --onnx --calibrate`` wrote. Prints each one's RMS and max error as a
-share of the tokens' std, and its median time per camera on one thread.
+on OpenVINO: the fp32 graph with fp32 and with bf16 kernels, NNCF's int8 with NNCF's own
+defaults (quantized here from the fp32 graph, calibrated on the same frames ``vla-accel export``
+used), the int8 graph ``vla-accel export --onnx --calibrate`` wrote, and the same with NNCF's
+overflow fix on every layer (7-bit weights: what a CPU without VNNI needs to compute them
+exactly). Prints the CPU's ISA, each one's RMS and max error as a share of the tokens' std, and
+its median time per camera on one thread.
 
 Usage, from the repository root (the shipped bundle: about 2 min)::
 
@@ -41,6 +43,7 @@ def main() -> None:
 
     import nncf
     import openvino as ov
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters, OverflowFix
 
     meta = json.loads((args.graphs / "export.json").read_text())
     policy = load_policy(args.bundle, PolicyConfig(parity_check=False))
@@ -49,18 +52,31 @@ def main() -> None:
     with torch.inference_mode():
         ref = torch.cat([policy.model.vis(torch.from_numpy(test[i : i + 1])) for i in range(len(test))]).numpy()
     core = ov.Core()
-    defaults = nncf.quantize(
-        core.read_model(str(args.graphs / "vision.onnx")), nncf.Dataset([{"input": c} for c in calibration]),
-        model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration), preset=nncf.QuantizationPreset.MIXED,
+
+    def quantize(**kwargs):
+        return nncf.quantize(
+            core.read_model(str(args.graphs / "vision.onnx")), nncf.Dataset([{"input": c} for c in calibration]),
+            model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration), preset=nncf.QuantizationPreset.MIXED, **kwargs,
+        )  # fmt: skip
+
+    overflow_fix = quantize(
+        ignored_scope=nncf.IgnoredScope(types=["Convolution"], validate=False),
+        advanced_parameters=AdvancedQuantizationParameters(
+            overflow_fix=OverflowFix.ENABLE, smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=-1)),
     )  # fmt: skip
-    runners = {
-        "bf16 (vision.onnx, bf16 kernels)": core.read_model(str(args.graphs / "vision.onnx")),
-        "int8, NNCF's defaults": defaults,
-        "int8, vla-accel export": core.read_model(str(args.graphs / "vision.openvino-int8.xml")),
+    defaults = quantize()
+    runners = {  # (graph, the precision hint the policy's runner sets for it)
+        "fp32 (vision.onnx, fp32 kernels)": (core.read_model(str(args.graphs / "vision.onnx")), "f32"),
+        "bf16 (vision.onnx, bf16 kernels)": (core.read_model(str(args.graphs / "vision.onnx")), "bf16"),
+        "int8, NNCF's defaults": (defaults, "bf16"),
+        "int8, vla-accel export": (core.read_model(str(args.graphs / "vision.openvino-int8.xml")), "bf16"),
+        "int8, export + overflow fix": (overflow_fix, "bf16"),
     }
+    print(f"torch's CPU capability {torch.backends.cpu.get_cpu_capability()}; OpenVINO's CPU runs "
+          f"{', '.join(core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES'))}")  # fmt: skip
     print(f"{len(test)} camera frames of {args.frames}; calibration {len(calibration)} of {meta['calibration']}")
-    for name, model in runners.items():
-        config = {"INFERENCE_PRECISION_HINT": "bf16", "INFERENCE_NUM_THREADS": 1}  # what the policy's runner sets
+    for name, (model, hint) in runners.items():
+        config = {"INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": 1}
         request = core.compile_model(model, "CPU", config).create_infer_request()
         out = np.concatenate([np.array(request.infer({0: test[i : i + 1]})[0]) for i in range(len(test))])
         times = []

@@ -26,7 +26,10 @@ K/V in bf16, as its attention reads them):
   (on 2 Xeon cores with AMX one 768-wide layer: int8 2-3x faster than bf16 for one row, bf16
   2-3x faster than int8 for 280). Gradients (Real-Time Chunking) take bf16;
 * ``auto``: the family's measured default (its ``precision_defaults``); where the parity gate
-  refuses it, the first of its ``precision_fallbacks`` the gate accepts.
+  refuses it, the first of its ``precision_fallbacks`` the gate accepts. The defaults were
+  measured on CPUs with bf16 instructions; on one without (AVX2 only) ``auto`` takes
+  :data:`WITHOUT_BF16`'s choice instead (bf16 -> fp32, hybrid -> int8, an int8 vision graph on
+  a backend -> fp32), and the policy's notes say so.
 
 Every reduced-precision configuration passes the parity gate against the fp32 reference of the
 same bundle (``gate_*`` limits below) or the policy refuses to start.
@@ -145,27 +148,39 @@ class PrecisionConfig(Config):
         range=(0.0, 100.0),
     )
 
-    def resolve(self, family: FamilyPrecision) -> "PrecisionConfig":
+    def resolve(self, family: FamilyPrecision, *, native_bf16: bool = True) -> "PrecisionConfig":
         """``auto`` replaced by the family's default; components the family lacks (its defaults
-        do not name them, e.g. an ar bundle's expert) are fp32."""
+        do not name them, e.g. an ar bundle's expert) are fp32. ``native_bf16``: whether the
+        CPU has bf16 instructions; without them ``auto`` takes :data:`WITHOUT_BF16`'s choice."""
         defaults = family.precision_defaults
-        values = {c: defaults[c] if getattr(self, c) == "auto" else getattr(self, c) for c in COMPONENTS if c in defaults}
+        values = {c: self._auto(c, defaults[c], native_bf16) if getattr(self, c) == "auto" else getattr(self, c)
+                  for c in COMPONENTS if c in defaults}  # fmt: skip
         return self.replace(**{c: values.get(c, "fp32") for c in COMPONENTS})
 
-    def candidates(self, family: FamilyPrecision) -> list["PrecisionConfig"]:
+    def candidates(self, family: FamilyPrecision, *, native_bf16: bool = True) -> list["PrecisionConfig"]:
         """The resolved configurations to gate, in order: :meth:`resolve` first, then, for the
         components set to ``auto``, the family's ``precision_fallbacks`` (without repeats); with
         a backend, all of those on it first, then the same on torch."""
-        first = self.resolve(family)
+        first = self.resolve(family, native_bf16=native_bf16)
         auto = [c for c in COMPONENTS if getattr(self, c) == "auto"]
         out = [first]
         for fallback in family.precision_fallbacks if auto else ():
-            cand = first.replace(**{c: v for c, v in fallback.items() if c in auto})
+            cand = first.replace(**{c: self._auto(c, v, native_bf16) for c, v in fallback.items() if c in auto})
             if all(cand.components() != o.components() for o in out):
                 out.append(cand)
         if self.backend != "torch":
             out += [c.replace(backend="torch") for c in out]
         return out
+
+    def _auto(self, component: str, value: str, native_bf16: bool) -> str:
+        """What ``auto``'s ``value`` (a family's default or fallback) runs on this CPU: as it is
+        where the CPU has bf16 instructions; else :data:`WITHOUT_BF16`'s choice, and fp32 for an
+        int8 vision graph on a backend (:data:`GRAPH_INT8_WITHOUT_BF16`)."""
+        if native_bf16:
+            return value
+        if component == "vision" and self.backend != "torch" and value == "int8":
+            return GRAPH_INT8_WITHOUT_BF16
+        return WITHOUT_BF16.get(value, value)
 
     def bf16_attention_above(self, component: str) -> int | None:
         """Row count above which ``component``'s attention runs in bf16 (None: always fp32)."""
@@ -195,6 +210,18 @@ class PrecisionConfig(Config):
         """Short description: :meth:`weights_label`, and the backend when it is not torch
         (``vision=int8,lm=bf16 +openvino``)."""
         return self.weights_label() + ("" if self.backend == "torch" else f" +{self.backend}")
+
+
+# What ``auto`` runs where a family's measured default is bf16 or hybrid but the CPU has no bf16
+# instructions (AVX2 without AVX-512): oneDNN then emulates bf16, and the shipped SmolVLA's bf16
+# fast mode ran 1.6x slower than its fp32 baseline; PyTorch's int8 linear (fbgemm, 7-bit
+# activations) stays exact and 1.4-2.6x faster than fp32 for many rows (docs/runtime.md, "CPUs
+# without bf16"). Explicit bf16 still runs there, with a note.
+WITHOUT_BF16 = {"bf16": "fp32", "hybrid": "int8"}
+# Such a CPU has no VNNI either (AVX-VNNI aside): an OpenVINO int8 graph's MatMuls then saturate
+# (the shipped tower: 6.8% RMS off, 99% of the std at worst) and ran slower than its fp32 (211
+# against 158 ms a camera), so ``auto`` runs the graph in fp32 there.
+GRAPH_INT8_WITHOUT_BF16 = "fp32"
 
 
 def preset(name: str) -> dict[str, Any]:

@@ -196,15 +196,17 @@ def build_policy(
     (``policy.precision_notes`` says why, with or without the gate)."""
     from vla_accel_ros.core.backends import BackendUnavailable
     from vla_accel_ros.core.parity import TOKEN_METHOD_CHECKS, fp32_reference, run_parity
-    from vla_accel_ros.models.precision import convert_model
+    from vla_accel_ros.models.precision import convert_model, native_bf16
 
     config = config or PolicyConfig()
     keep_freed_memory(config.malloc_keep_mb)  # here, not per policy: internal fp32 references use defaults
     family = spec_family(spec, where)
-    candidates = config.precision.candidates(family)
+    bf16_ok = native_bf16()
+    candidates = config.precision.candidates(family, native_bf16=bf16_ok)
     fp32_ref = None
     refused: list[str] = []  # by the gate
     passed_over: list[str] = []  # backends that could not run
+    cpu_notes = [] if bf16_ok else _bf16_notes(config.precision, family)
     converted = {} if converted is None else converted
     while candidates:
         precision = candidates.pop(0)
@@ -231,7 +233,7 @@ def build_policy(
                 same = precision.replace(backend="torch")
                 candidates = [same] + [c for c in candidates if c != same]
                 continue
-        notes = [f"{p}; running {precision.label()} instead" for p in passed_over]
+        notes = cpu_notes + [f"{p}; running {precision.label()} instead" for p in passed_over]
         policy.gate_observations = gate_observations
         policy.precision_notes = list(notes)  # its own list: the gate's note below goes to both once
         if not config.parity_check:
@@ -265,6 +267,27 @@ def build_policy(
             break  # the token method failed, not the precision: another precision would not pass
     tried = f" (precision auto tried {'; '.join(refused)})" if len(refused) > 1 else ""
     raise ParityError(f"{where or spec.name}: parity gate failed{tried}, the policy refuses to start:\n{report.table()}")
+
+
+def _bf16_notes(asked, family) -> list[str]:
+    """What a CPU without bf16 instructions changes: ``auto`` runs fp32 for its bf16 defaults
+    (core.precision.WITHOUT_BF16), and explicit bf16 components run emulated (slower than fp32)."""
+    from vla_accel_ros.core.precision import COMPONENTS, WITHOUT_BF16
+
+    usual, here = asked.resolve(family), asked.resolve(family, native_bf16=False)
+    changed = [f"{c}={getattr(here, c)}" for c in COMPONENTS if getattr(usual, c) != getattr(here, c)]
+    # (a vision graph on a backend is not emulated: OpenVINO runs its bf16 hint as fp32 there)
+    explicit = [f"{c}={getattr(asked, c)}" for c in COMPONENTS
+                if getattr(asked, c) in WITHOUT_BF16 and not (c == "vision" and asked.backend != "torch")]  # fmt: skip
+    notes = []
+    if changed:
+        notes.append(f"this CPU has no bf16 instructions (AVX-512 or AVX-NE-CONVERT): precision auto runs {', '.join(changed)}")
+    if explicit:
+        notes.append(f"this CPU has no bf16 instructions: {', '.join(explicit)} runs its bf16 matmuls emulated, slower than fp32")
+    if asked.vision == "int8" and asked.backend != "torch":
+        notes.append(f"this CPU has no bf16 instructions, nor VNNI: {asked.backend}'s int8 vision graph saturates and "
+                     "runs slower than fp32 here (the gate is likely to refuse it)")  # fmt: skip
+    return notes
 
 
 def _vision_graph(policy, model: nn.Module, precision, converted: dict, gate_observations):

@@ -73,10 +73,23 @@ class Bf16Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def native_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls on this CPU (its check: AVX-512 BW/VL/DQ, the base of
+    AVX512-BF16 and AMX, or AVX-NE-CONVERT); on an AVX2-only CPU it does not, and
+    ``precision: auto`` runs fp32 instead of bf16 (core.precision.WITHOUT_BF16)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _prepack_available() -> bool:
+    """oneDNN's bf16 prepacking runs only where :func:`native_bf16`: on an AVX2-only CPU
+    ``_reorder_linear_weight`` raises, and a bf16 layer takes ``F.linear`` instead."""
     try:
         ops = torch.ops.mkldnn
-        return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")
+        return (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")
+                and native_bf16())  # fmt: skip
     except (AttributeError, RuntimeError):
         return False
 
@@ -235,9 +248,9 @@ class FusedLinear:
             return tuple(m(x) for m in self.members)
         if self._int8 is not None and (self._bf16 is None or x.numel() <= self._few_rows * self.in_features):
             return self._int8(x).split(self.sizes, -1)
-        head = self._bf16[0]
-        if not _PREPACK or head.weight.device.type != "cpu":
-            return tuple(m(x) for m in self.members)
+        if not _PREPACK or self._bf16[0].weight.device.type != "cpu":  # a GPU, or a CPU without oneDNN's bf16
+            outs = tuple(m(x) for m in self.members)  # each rounded to bf16 and back: the same values
+            return tuple(o.to(torch.bfloat16) for o in outs) if low else outs
         packed = self._packed
         if packed is None:
             bias = None
