@@ -161,8 +161,8 @@ def spinning(context, *nodes):
             n.destroy_node()
 
 
-def bringup_summary(bundle, params_file, cwd, duration: float = 4.0) -> dict:
-    """``vla-accel bringup --synthetic-camera --one-process`` on ``bundle`` for ``duration``
+def bringup_summary(bundle, params_file, cwd, duration: float = 4.0, *, one_process: bool = True) -> dict:
+    """``vla-accel bringup --synthetic-camera [--one-process]`` on ``bundle`` for ``duration``
     seconds (a random domain, discovery on this machine); its JSON summary, after checking that
     the policy node ran the bundle and the controller commanded the arm."""
     import json
@@ -173,7 +173,7 @@ def bringup_summary(bundle, params_file, cwd, duration: float = 4.0) -> dict:
     out = Path(cwd) / "summary.json"
     env = {**os.environ, "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST"}
     cmd = [sys.executable, "-m", "vla_accel_ros.cli", "bringup", "--params", str(params_file), "--bundle", str(bundle),
-           "--synthetic-camera", "--duration", str(duration), "--one-process",
+           "--synthetic-camera", "--duration", str(duration), *(["--one-process"] if one_process else []),
            "--domain-id", str(random.SystemRandom().randint(1, 100)), "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
