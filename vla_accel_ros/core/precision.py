@@ -215,7 +215,7 @@ class PrecisionConfig(Config):
 # What ``auto`` runs where a family's measured default is bf16 or hybrid but the CPU has no bf16
 # instructions (AVX2 without AVX-512): oneDNN then emulates bf16, and the shipped SmolVLA's bf16
 # fast mode ran 1.6x slower than its fp32 baseline; PyTorch's int8 linear (fbgemm, 7-bit
-# activations) stays exact and 1.4-2.6x faster than fp32 for many rows (docs/runtime.md, "CPUs
+# activations) does not saturate and is 1.4-2.6x faster than fp32 for many rows (docs/runtime.md, "CPUs
 # without bf16"). Explicit bf16 still runs there, with a note.
 WITHOUT_BF16 = {"bf16": "fp32", "hybrid": "int8"}
 # Such a CPU has no VNNI either (AVX-VNNI aside): an OpenVINO int8 graph's MatMuls then saturate
