@@ -60,12 +60,14 @@ def _deterministic_torch():
 
 @pytest.fixture
 def bf16_cpu(monkeypatch):
-    """``precision: auto`` as on a CPU with bf16 instructions, whatever this one has (an AVX2-only
-    CPU runs fp32 instead: core.precision.WITHOUT_BF16): for the tests of auto's defaults and
-    fallbacks. bf16 layers still run here, emulated where the CPU lacks the instructions."""
+    """``precision: auto`` as on a CPU with bf16 instructions and VNNI, whatever this one has (an
+    AVX2-only CPU runs fp32 instead: core.precision.WITHOUT_BF16): for the tests of auto's
+    defaults and fallbacks. bf16 layers still run here, emulated where the CPU lacks the
+    instructions."""
     import vla_accel_ros.models.precision as precision
 
     monkeypatch.setattr(precision, "native_bf16", lambda: True)
+    monkeypatch.setattr(precision, "native_vnni", lambda: True)
 
 
 @pytest.fixture(scope="session")

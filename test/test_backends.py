@@ -16,6 +16,7 @@ from vla_accel_ros.core.parity import changed_observation, fixed_observation
 from vla_accel_ros.core.policy_config import PolicyConfig
 from vla_accel_ros.core.precision import PrecisionConfig, preset
 from vla_accel_ros.models.factory import create_demo_bundle, load_policy, sibling_policy
+from vla_accel_ros.models.precision import native_vnni
 
 onnx = pytest.importorskip("onnx", reason="onnx is not installed (requirements.txt)")
 pytest.importorskip("onnxscript", reason="onnxscript (torch.onnx's exporter) is not installed (requirements.txt)")
@@ -143,22 +144,14 @@ def test_openvino_int8_leaves_the_patch_embedding_unquantized_without_smoothquan
     assert not [o for o in ops if "smooth_quant" in o.get_friendly_name()]
     fake_quantized = {o.get_type_name() for o in ops for v in o.input_values() if v.get_node().get_type_name() == "FakeQuantize"}
     assert "MatMul" in fake_quantized
-    if not _cpu_has_vnni():
+    if not native_vnni():
         # Without VNNI (AVX2 only) the u8 x s8 products saturate their int16 pair sums: the
         # tokens are far off (the shipped tower: 6.8% RMS, 99% of the std at worst), which is
-        # why auto runs the graph in fp32 there (core.precision.GRAPH_INT8_WITHOUT_BF16).
+        # why auto runs the graph in fp32 there (core.precision.GRAPH_INT8_WITHOUT_VNNI).
         return
     with torch.inference_mode():
         scale = float(base.model.vis(pixels).std())
     assert check_vision_runner(GraphRunner(path, "openvino", "int8", threads=1), base.model, pixels) < 0.5 * scale
-
-
-def _cpu_has_vnni() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True  # not Linux: assume a current CPU
-    return any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 def test_a_precision_the_runtime_does_not_run_falls_back_to_torch_and_says_so(smolvla):

@@ -235,19 +235,27 @@ def test_auto_runs_fp32_where_the_cpu_has_no_bf16(models, monkeypatch):
     """An AVX2-only CPU has no bf16 instructions: oneDNN emulates bf16 there, slower than fp32
     (the shipped SmolVLA's bf16 fast mode ran 1.6x slower than its fp32 baseline), so ``auto``
     runs fp32 where a family's default is bf16, int8 where it is hybrid, and says so; an explicit
-    bf16 still runs, with a note."""
+    bf16 still runs, with a note. An int8 vision graph on a backend follows VNNI instead: its
+    MatMuls saturate without it, while PyTorch's int8 does not."""
     import vla_accel_ros.models.precision as mp
 
     monkeypatch.setattr(mp, "native_bf16", lambda: False)
+    monkeypatch.setattr(mp, "native_vnni", lambda: False)
     auto = PrecisionConfig(**{c: "auto" for c in COMPONENTS})
     assert auto.resolve(get_family("ar"), native_bf16=False).components() == {
         "vision": "fp32", "projector": "fp32", "lm": "int8", "expert": "fp32", "heads": "fp32"}  # fmt: skip
     assert [c.label() for c in auto.candidates(get_family("ar"), native_bf16=False)] == ["lm=int8", "fp32"]
     assert PrecisionConfig(lm="bf16").resolve(get_family("ar"), native_bf16=False).lm == "bf16"
+    smolvla, graph = get_family("smolvla"), PrecisionConfig(vision="auto", lm="auto", backend="openvino")
+    assert graph.resolve(smolvla).label() == "vision=int8,lm=bf16 +openvino"
+    assert graph.resolve(smolvla, native_vnni=False).label() == "lm=bf16 +openvino"  # vision fp32
+    assert graph.resolve(smolvla, native_bf16=False).label() == "vision=int8 +openvino"  # AVX-VNNI without bf16
+    assert graph.replace(backend="torch").resolve(smolvla, native_bf16=False, native_vnni=False).label() == "vision=int8"
     spec, model = models["flow"]
     policy = build_policy(spec, model, PolicyConfig.from_dict({"precision": preset("auto")}))
     assert policy.precision.label() == "fp32" and policy.parity_report.passed
-    assert any("no bf16 instructions" in n and "lm=fp32, expert=fp32" in n for n in policy.precision_notes)
+    assert any("no bf16 instructions (AVX-512 or AVX-NE-CONVERT) nor VNNI: precision auto runs" in n and "lm=fp32, expert=fp32" in n
+               for n in policy.precision_notes)  # fmt: skip
     explicit = build_policy(spec, model, PolicyConfig.from_dict({"precision": preset("bf16")}))
     assert explicit.precision.label() == "lm=bf16,expert=bf16"
     assert any("lm=bf16, expert=bf16 runs its bf16 matmuls emulated" in n for n in explicit.precision_notes)

@@ -27,9 +27,10 @@ K/V in bf16, as its attention reads them):
   2-3x faster than int8 for 280). Gradients (Real-Time Chunking) take bf16;
 * ``auto``: the family's measured default (its ``precision_defaults``); where the parity gate
   refuses it, the first of its ``precision_fallbacks`` the gate accepts. The defaults were
-  measured on CPUs with bf16 instructions; on one without (AVX2 only) ``auto`` takes
-  :data:`WITHOUT_BF16`'s choice instead (bf16 -> fp32, hybrid -> int8, an int8 vision graph on
-  a backend -> fp32), and the policy's notes say so.
+  measured on CPUs with bf16 instructions and VNNI; on one without bf16 (AVX2 only) ``auto``
+  takes :data:`WITHOUT_BF16`'s choice instead (bf16 -> fp32, hybrid -> int8), on one without
+  VNNI an int8 vision graph on a backend runs fp32 (:data:`GRAPH_INT8_WITHOUT_VNNI`), and the
+  policy's notes say so.
 
 Every reduced-precision configuration passes the parity gate against the fp32 reference of the
 same bundle (``gate_*`` limits below) or the policy refuses to start.
@@ -148,39 +149,40 @@ class PrecisionConfig(Config):
         range=(0.0, 100.0),
     )
 
-    def resolve(self, family: FamilyPrecision, *, native_bf16: bool = True) -> "PrecisionConfig":
+    def resolve(self, family: FamilyPrecision, *, native_bf16: bool = True, native_vnni: bool = True) -> "PrecisionConfig":
         """``auto`` replaced by the family's default; components the family lacks (its defaults
-        do not name them, e.g. an ar bundle's expert) are fp32. ``native_bf16``: whether the
-        CPU has bf16 instructions; without them ``auto`` takes :data:`WITHOUT_BF16`'s choice."""
+        do not name them, e.g. an ar bundle's expert) are fp32. ``native_bf16`` / ``native_vnni``:
+        whether the CPU has bf16 instructions / an int8 dot product (models.precision checks
+        both); without them ``auto`` runs what :meth:`_auto` says."""
         defaults = family.precision_defaults
-        values = {c: self._auto(c, defaults[c], native_bf16) if getattr(self, c) == "auto" else getattr(self, c)
+        cpu = (native_bf16, native_vnni)
+        values = {c: self._auto(c, defaults[c], *cpu) if getattr(self, c) == "auto" else getattr(self, c)
                   for c in COMPONENTS if c in defaults}  # fmt: skip
         return self.replace(**{c: values.get(c, "fp32") for c in COMPONENTS})
 
-    def candidates(self, family: FamilyPrecision, *, native_bf16: bool = True) -> list["PrecisionConfig"]:
+    def candidates(self, family: FamilyPrecision, *, native_bf16: bool = True, native_vnni: bool = True) -> list["PrecisionConfig"]:
         """The resolved configurations to gate, in order: :meth:`resolve` first, then, for the
         components set to ``auto``, the family's ``precision_fallbacks`` (without repeats); with
         a backend, all of those on it first, then the same on torch."""
-        first = self.resolve(family, native_bf16=native_bf16)
+        first = self.resolve(family, native_bf16=native_bf16, native_vnni=native_vnni)
         auto = [c for c in COMPONENTS if getattr(self, c) == "auto"]
         out = [first]
         for fallback in family.precision_fallbacks if auto else ():
-            cand = first.replace(**{c: self._auto(c, v, native_bf16) for c, v in fallback.items() if c in auto})
+            cand = first.replace(**{c: self._auto(c, v, native_bf16, native_vnni) for c, v in fallback.items() if c in auto})
             if all(cand.components() != o.components() for o in out):
                 out.append(cand)
         if self.backend != "torch":
             out += [c.replace(backend="torch") for c in out]
         return out
 
-    def _auto(self, component: str, value: str, native_bf16: bool) -> str:
-        """What ``auto``'s ``value`` (a family's default or fallback) runs on this CPU: as it is
-        where the CPU has bf16 instructions; else :data:`WITHOUT_BF16`'s choice, and fp32 for an
-        int8 vision graph on a backend (:data:`GRAPH_INT8_WITHOUT_BF16`)."""
-        if native_bf16:
-            return value
+    def _auto(self, component: str, value: str, native_bf16: bool, native_vnni: bool) -> str:
+        """What ``auto``'s ``value`` (a family's default or fallback) runs on this CPU: an int8
+        vision graph on a backend runs :data:`GRAPH_INT8_WITHOUT_VNNI` where the CPU has no VNNI;
+        bf16 and hybrid run :data:`WITHOUT_BF16`'s choice where it has no bf16 instructions;
+        the rest as it is."""
         if component == "vision" and self.backend != "torch" and value == "int8":
-            return GRAPH_INT8_WITHOUT_BF16
-        return WITHOUT_BF16.get(value, value)
+            return value if native_vnni else GRAPH_INT8_WITHOUT_VNNI
+        return value if native_bf16 else WITHOUT_BF16.get(value, value)
 
     def bf16_attention_above(self, component: str) -> int | None:
         """Row count above which ``component``'s attention runs in bf16 (None: always fp32)."""
@@ -218,10 +220,12 @@ class PrecisionConfig(Config):
 # activations) does not saturate and is 1.4-2.6x faster than fp32 for many rows (docs/runtime.md, "CPUs
 # without bf16"). Explicit bf16 still runs there, with a note.
 WITHOUT_BF16 = {"bf16": "fp32", "hybrid": "int8"}
-# Such a CPU has no VNNI either (AVX-VNNI aside): an OpenVINO int8 graph's MatMuls then saturate
-# (the shipped tower: 6.8% RMS off, 99% of the std at worst) and ran slower than its fp32 (211
-# against 158 ms a camera), so ``auto`` runs the graph in fp32 there.
-GRAPH_INT8_WITHOUT_BF16 = "fp32"
+# Without VNNI (AVX2 only, as on that CPU; also AVX-512 before VNNI) an OpenVINO int8 graph's
+# MatMuls saturate (the shipped tower: 6.8% RMS off, 99% of the std at worst) and ran slower than
+# its fp32 (211 against 158 ms a camera), so ``auto`` runs the graph in fp32 there. The rule
+# follows VNNI, not bf16: a CPU with AVX-VNNI and no bf16 (Intel's client parts) keeps the int8
+# graph and its gate (not measured on one).
+GRAPH_INT8_WITHOUT_VNNI = "fp32"
 
 
 def preset(name: str) -> dict[str, Any]:

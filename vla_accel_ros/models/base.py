@@ -159,9 +159,9 @@ class PolicyBase:
         # What the weights run at (``auto`` resolved, or the fallback the gate accepted);
         # models.factory converted them to it.
         if precision is None:
-            from vla_accel_ros.models.precision import native_bf16
+            from vla_accel_ros.models.precision import native_bf16, native_vnni
 
-            precision = config.precision.resolve(get_family(spec.family), native_bf16=native_bf16())
+            precision = config.precision.resolve(get_family(spec.family), native_bf16=native_bf16(), native_vnni=native_vnni())
         self.precision = precision
         self.state_norm = (
             Normalizer(spec.norm_stats["state"], spec.state_dim, "norm_stats.state") if spec.state_dim else None

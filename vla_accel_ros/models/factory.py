@@ -196,17 +196,17 @@ def build_policy(
     (``policy.precision_notes`` says why, with or without the gate)."""
     from vla_accel_ros.core.backends import BackendUnavailable
     from vla_accel_ros.core.parity import TOKEN_METHOD_CHECKS, fp32_reference, run_parity
-    from vla_accel_ros.models.precision import convert_model, native_bf16
+    from vla_accel_ros.models.precision import convert_model, native_bf16, native_vnni
 
     config = config or PolicyConfig()
     keep_freed_memory(config.malloc_keep_mb)  # here, not per policy: internal fp32 references use defaults
     family = spec_family(spec, where)
-    bf16_ok = native_bf16()
-    candidates = config.precision.candidates(family, native_bf16=bf16_ok)
+    cpu = {"native_bf16": native_bf16(), "native_vnni": native_vnni()}
+    candidates = config.precision.candidates(family, **cpu)
     fp32_ref = None
     refused: list[str] = []  # by the gate
     passed_over: list[str] = []  # backends that could not run
-    cpu_notes = [] if bf16_ok else _bf16_notes(config.precision, family)
+    cpu_notes = _cpu_notes(config.precision, family, **cpu)
     converted = {} if converted is None else converted
     while candidates:
         precision = candidates.pop(0)
@@ -269,24 +269,26 @@ def build_policy(
     raise ParityError(f"{where or spec.name}: parity gate failed{tried}, the policy refuses to start:\n{report.table()}")
 
 
-def _bf16_notes(asked, family) -> list[str]:
-    """What a CPU without bf16 instructions changes: ``auto`` runs fp32 for its bf16 defaults
-    (core.precision.WITHOUT_BF16), and explicit bf16 components run emulated (slower than fp32)."""
+def _cpu_notes(asked, family, *, native_bf16: bool, native_vnni: bool) -> list[str]:
+    """What a CPU without bf16 instructions or VNNI changes: ``auto`` runs what
+    ``PrecisionConfig._auto`` says there; explicit bf16 components run emulated (slower than
+    fp32), and an explicit int8 vision graph on a backend saturates."""
     from vla_accel_ros.core.precision import COMPONENTS, WITHOUT_BF16
 
-    usual, here = asked.resolve(family), asked.resolve(family, native_bf16=False)
+    usual, here = asked.resolve(family), asked.resolve(family, native_bf16=native_bf16, native_vnni=native_vnni)
     changed = [f"{c}={getattr(here, c)}" for c in COMPONENTS if getattr(usual, c) != getattr(here, c)]
+    lacks = " nor ".join(w for w, ok in (("bf16 instructions (AVX-512 or AVX-NE-CONVERT)", native_bf16), ("VNNI", native_vnni)) if not ok)
+    graph = asked.backend != "torch"
     # (a vision graph on a backend is not emulated: OpenVINO runs its bf16 hint as fp32 there)
-    explicit = [f"{c}={getattr(asked, c)}" for c in COMPONENTS
-                if getattr(asked, c) in WITHOUT_BF16 and not (c == "vision" and asked.backend != "torch")]  # fmt: skip
+    explicit = [f"{c}={getattr(asked, c)}" for c in COMPONENTS if getattr(asked, c) in WITHOUT_BF16 and not (c == "vision" and graph)]
     notes = []
     if changed:
-        notes.append(f"this CPU has no bf16 instructions (AVX-512 or AVX-NE-CONVERT): precision auto runs {', '.join(changed)}")
-    if explicit:
+        notes.append(f"this CPU has no {lacks}: precision auto runs {', '.join(changed)}")
+    if explicit and not native_bf16:
         notes.append(f"this CPU has no bf16 instructions: {', '.join(explicit)} runs its bf16 matmuls emulated, slower than fp32")
-    if asked.vision == "int8" and asked.backend != "torch":
-        notes.append(f"this CPU has no bf16 instructions, nor VNNI: {asked.backend}'s int8 vision graph saturates and "
-                     "runs slower than fp32 here (the gate is likely to refuse it)")  # fmt: skip
+    if asked.vision == "int8" and graph and not native_vnni:
+        notes.append(f"this CPU has no VNNI: {asked.backend}'s int8 vision graph saturates and runs slower than fp32 here "
+                     "(the gate is likely to refuse it)")  # fmt: skip
     return notes
 
 

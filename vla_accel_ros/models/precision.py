@@ -21,6 +21,7 @@ import copy
 import itertools
 import warnings
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,19 @@ def native_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def native_vnni() -> bool:
+    """Whether the CPU has an int8 dot product that accumulates u8 x s8 in int32 (AVX512-VNNI,
+    AVX-VNNI or AMX), from /proc/cpuinfo's flags. Without one, oneDNN's int8 kernels (OpenVINO's)
+    sum the products in int16 pairs that saturate: an AVX2-only CPU, also an AVX-512 one older
+    than VNNI. Where the flags cannot be read (not Linux), :func:`native_bf16` stands in: every
+    CPU with it measured here had VNNI."""
+    try:
+        flags = set(" ".join(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split())
+    except OSError:
+        return native_bf16()
+    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def _prepack_available() -> bool:
