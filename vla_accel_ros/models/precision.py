@@ -88,8 +88,9 @@ def native_vnni() -> bool:
     """Whether the CPU has an int8 dot product that accumulates u8 x s8 in int32 (AVX512-VNNI,
     AVX-VNNI or AMX), from /proc/cpuinfo's flags. Without one, oneDNN's int8 kernels (OpenVINO's)
     sum the products in int16 pairs that saturate: an AVX2-only CPU, also an AVX-512 one older
-    than VNNI. Where the flags cannot be read (not Linux), :func:`native_bf16` stands in: every
-    CPU with it measured here had VNNI."""
+    than VNNI. Where /proc/cpuinfo cannot be read (not Linux), :func:`native_bf16` stands in:
+    every CPU with it measured here had VNNI. A Linux CPU without these x86 flags (ARM) counts as
+    without: the int8 graph was measured on x86 only."""
     try:
         flags = set(" ".join(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split())
     except OSError:
