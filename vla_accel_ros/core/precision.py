@@ -155,8 +155,7 @@ class PrecisionConfig(Config):
         whether the CPU has bf16 instructions / an int8 dot product (models.precision checks
         both); without them ``auto`` runs what :meth:`_auto` says."""
         defaults = family.precision_defaults
-        cpu = (native_bf16, native_vnni)
-        values = {c: self._auto(c, defaults[c], *cpu) if getattr(self, c) == "auto" else getattr(self, c)
+        values = {c: self._auto(c, defaults[c], native_bf16, native_vnni) if getattr(self, c) == "auto" else getattr(self, c)
                   for c in COMPONENTS if c in defaults}  # fmt: skip
         return self.replace(**{c: values.get(c, "fp32") for c in COMPONENTS})
 

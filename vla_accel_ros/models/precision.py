@@ -18,6 +18,7 @@ projections are also grouped into a :class:`FusedLinear` the engine calls as one
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import warnings
 import weakref
@@ -84,6 +85,7 @@ def native_bf16() -> bool:
         return False
 
 
+@functools.cache  # the CPU does not change; policies are built many times per process
 def native_vnni() -> bool:
     """Whether the CPU has an int8 dot product that accumulates u8 x s8 in int32 (AVX512-VNNI,
     AVX-VNNI or AMX), from /proc/cpuinfo's flags. Without one, oneDNN's int8 kernels (OpenVINO's)
@@ -92,10 +94,11 @@ def native_vnni() -> bool:
     every CPU with it measured here had VNNI. A Linux CPU without these x86 flags (ARM) counts as
     without: the int8 graph was measured on x86 only."""
     try:
-        flags = set(" ".join(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split())
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return native_bf16()
-    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
 
 
 def _prepack_available() -> bool:
