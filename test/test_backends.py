@@ -121,6 +121,38 @@ def test_int8_graphs_pass_the_gate(smolvla, backend):
     assert report.passed and 0 < report.metrics["actions_max_over_std"] <= PrecisionConfig().gate_flow_max_over_std
 
 
+def _int8_weight_range(path) -> int:
+    """The largest |int8 weight| of ONNX Runtime's quantized MatMuls in graph ``path``."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    weights = [numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8]
+    assert weights, "no int8 weights in the graph"
+    return max(int(np.abs(w.astype(np.int32)).max()) for w in weights)
+
+
+def test_onnxruntime_int8_takes_7_bit_weights_where_the_cpu_has_no_vnni(smolvla, tmp_path, monkeypatch):
+    """Without VNNI, u8 x s8 products saturate their int16 pair sums: ONNX Runtime's int8 graph
+    is quantized with 7-bit weights there (|w| <= 64), 8-bit elsewhere, and ``auto`` keeps it
+    (OpenVINO's runs fp32: its overflow fix is no faster than fp32)."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    import vla_accel_ros.models.precision as mp
+    from vla_accel_ros.core.backends import write_graph
+    from vla_accel_ros.models.graphs import vision_example
+
+    base, obs, noise, _ = smolvla
+    example = vision_example(base.spec)
+    for reduce_range, limit in ((True, 64), (False, 127)):
+        path = write_graph(base.model.vis, example, tmp_path / str(reduce_range), "vision", "onnxruntime", "int8",
+                           reduce_range=reduce_range)  # fmt: skip
+        assert limit // 2 < _int8_weight_range(path) <= limit
+    monkeypatch.setattr(mp, "native_vnni", lambda: False)
+    policy = sibling_policy(base, PolicyConfig.from_dict({"precision": {"backend": "onnxruntime", "vision": "int8"}}),
+                            converted={})  # fmt: skip
+    assert policy.vision_graph is not None and policy.vision_graph.precision == "int8" and policy.parity_report.passed
+    assert any("7-bit weights" in n for n in policy.precision_notes)
+
+
 def test_openvino_int8_leaves_the_patch_embedding_unquantized_without_smoothquant(smolvla, tmp_path, capsys):
     """NNCF's int8 graph as ``quantize_openvino`` makes it (the departures its doc measured):
     the Convolution reads the raw pixels, no SmoothQuant scales are inserted, the MatMuls still
@@ -250,6 +282,7 @@ def test_export_onnx_writes_checked_graphs_that_a_policy_loads(smolvla, tmp_path
     assert main(["export", "--bundle", base.bundle_path, "--out", str(out), "--onnx", "--tolerance", "1e-4"]) == 0
     meta = json.loads((out / "export.json").read_text())
     assert meta["graphs"]["onnxruntime/fp32"]["max_abs_vs_eager"] < 1e-4 and (out / "vision.int8.onnx").is_file()
+    assert meta["graphs"]["onnxruntime/int8"]["reduce_range"] is (not native_vnni())  # 7-bit weights without VNNI
     assert meta["input"]["shape"] == [1, 3, base.spec.image_size, base.spec.image_size]
     assert main(["export", "--bundle", base.bundle_path, "--out", str(out), "--onnx"]) == 2  # never overwritten
     cfg = PolicyConfig.from_dict({"precision": {"backend": "onnxruntime", "vision": "int8", "graphs": str(out)}})

@@ -235,8 +235,8 @@ def test_auto_runs_fp32_where_the_cpu_has_no_bf16(models, monkeypatch):
     """An AVX2-only CPU has no bf16 instructions: oneDNN emulates bf16 there, slower than fp32
     (the shipped SmolVLA's bf16 fast mode ran 1.6x slower than its fp32 baseline), so ``auto``
     runs fp32 where a family's default is bf16, int8 where it is hybrid, and says so; an explicit
-    bf16 still runs, with a note. An int8 vision graph on a backend follows VNNI instead: its
-    MatMuls saturate without it, while PyTorch's int8 does not."""
+    bf16 still runs, with a note. An int8 vision graph on OpenVINO follows VNNI instead: its
+    MatMuls saturate without it, while PyTorch's int8 and ONNX Runtime's 7-bit weights do not."""
     import vla_accel_ros.models.precision as mp
 
     monkeypatch.setattr(mp, "native_bf16", lambda: False)
@@ -249,6 +249,8 @@ def test_auto_runs_fp32_where_the_cpu_has_no_bf16(models, monkeypatch):
     smolvla, graph = get_family("smolvla"), PrecisionConfig(vision="auto", lm="auto", backend="openvino")
     assert graph.resolve(smolvla).label() == "vision=int8,lm=bf16 +openvino"
     assert graph.resolve(smolvla, native_vnni=False).label() == "lm=bf16 +openvino"  # vision fp32
+    # ONNX Runtime's int8 graph takes 7-bit weights without VNNI (core.backends) and stays int8.
+    assert graph.replace(backend="onnxruntime").resolve(smolvla, native_bf16=False, native_vnni=False).label() == "vision=int8 +onnxruntime"
     assert graph.resolve(smolvla, native_bf16=False).label() == "vision=int8 +openvino"  # AVX-VNNI without bf16
     assert graph.replace(backend="torch").resolve(smolvla, native_bf16=False, native_vnni=False).label() == "vision=int8"
     spec, model = models["flow"]

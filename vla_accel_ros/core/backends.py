@@ -12,6 +12,9 @@ Precisions, per runtime (the component's ``precision.*`` value):
 * ``onnxruntime``: ``fp32``; ``int8``: ONNX Runtime's dynamic quantization of the MatMuls
   (``onnxruntime.quantization.quantize_dynamic``: int8 weights per output channel, activations
   quantized per call, as PyTorch's dynamic int8 linear; no calibration data). No bf16 on CPU.
+  For a CPU without VNNI the weights take 7 bits (``reduce_range``): its u8 x s8 products
+  saturate their int16 pair sums otherwise (the shipped SmolVLA's tower: 7.7% RMS off, 133% of
+  the std at worst, against 0.7% and 8% with 7 bits; docs/runtime.md, "CPUs without bf16").
 * ``openvino``: ``fp32`` (``INFERENCE_PRECISION_HINT=f32``: OpenVINO's CPU plugin would
   otherwise run bf16 wherever the CPU has it), ``bf16`` (its bf16 kernels: AMX / AVX512-BF16),
   ``int8``: NNCF's post-training quantization of the graph (``nncf.quantize``, transformer
@@ -123,14 +126,16 @@ def _quiet_exporter():
             lg.setLevel(level)
 
 
-def quantize_onnx_dynamic(src: str | Path, dst: str | Path) -> Path:
+def quantize_onnx_dynamic(src: str | Path, dst: str | Path, *, reduce_range: bool = False) -> Path:
     """ONNX Runtime's dynamic int8 quantization of the MatMuls of ``src`` (weights per output
-    channel; activations quantized per call) into ``dst``."""
+    channel; activations quantized per call) into ``dst``; ``reduce_range``: 7-bit weights, for
+    a CPU without VNNI (the module doc)."""
     require("onnxruntime")
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with _quiet_exporter():
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True, op_types_to_quantize=["MatMul"])
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True, reduce_range=reduce_range,
+                         op_types_to_quantize=["MatMul"])  # fmt: skip
     return Path(dst)
 
 
@@ -221,10 +226,11 @@ def graph_file(name: str, backend: str, precision: str) -> str:
 
 
 def write_graph(module: nn.Module, example: torch.Tensor, out: str | Path, name: str, backend: str, precision: str, *,
-                calibration: Iterable[np.ndarray] = ()) -> Path:  # fmt: skip
+                calibration: Iterable[np.ndarray] = (), reduce_range: bool = False) -> Path:  # fmt: skip
     """Graph ``name`` of ``module`` for ``backend`` at ``precision`` in directory ``out`` (the
     fp32 ONNX export first, when ``out`` lacks it; int8 quantized from it as the module doc
-    says, OpenVINO's calibrated on ``calibration``: inputs of ``example``'s shape)."""
+    says, OpenVINO's calibrated on ``calibration``: inputs of ``example``'s shape; ONNX
+    Runtime's with 7-bit weights where ``reduce_range``)."""
     check_backend(backend, precision)
     out = Path(out)
     fp32 = out / graph_file(name, backend, "fp32")
@@ -232,7 +238,7 @@ def write_graph(module: nn.Module, example: torch.Tensor, out: str | Path, name:
         export_onnx(module, (example,), fp32, input_names=("input",), output_names=("output",))
     path = out / graph_file(name, backend, precision)
     if precision == "int8" and backend == "onnxruntime":
-        quantize_onnx_dynamic(fp32, path)
+        quantize_onnx_dynamic(fp32, path, reduce_range=reduce_range)
     elif precision == "int8":
         quantize_openvino(fp32, path, [np.asarray(c, dtype=np.float32) for c in calibration], "input")
     return path
@@ -251,10 +257,11 @@ def load_runner(path: str | Path, backend: str, precision: str, *, threads: int,
 
 
 def build_runner(module: nn.Module, example: torch.Tensor, backend: str, precision: str, *, threads: int,
-                 calibration: Iterable[np.ndarray] = ()) -> GraphRunner:  # fmt: skip
+                 calibration: Iterable[np.ndarray] = (), reduce_range: bool = False) -> GraphRunner:  # fmt: skip
     """``module`` exported at ``example``'s shape and loaded on ``backend`` at ``precision``
     (:func:`write_graph` into a temporary directory, removed once the runtime holds the graph)."""
     check_backend(backend, precision)  # before the export: a missing package fails in a second
     with tempfile.TemporaryDirectory(prefix="vla-onnx-") as tmp:
-        path = write_graph(module, example, tmp, "graph", backend, precision, calibration=calibration)
+        path = write_graph(module, example, tmp, "graph", backend, precision, calibration=calibration,
+                           reduce_range=reduce_range)  # fmt: skip
         return GraphRunner(path, backend, precision, threads=threads, batch=example.shape[0])

@@ -286,9 +286,12 @@ def _cpu_notes(asked, family, *, native_bf16: bool, native_vnni: bool) -> list[s
         notes.append(f"this CPU has no {lacks}: precision auto runs {', '.join(changed)}")
     if explicit and not native_bf16:
         notes.append(f"this CPU has no bf16 instructions: {', '.join(explicit)} runs its bf16 matmuls emulated, slower than fp32")
-    if asked.vision == "int8" and graph and not native_vnni:
-        notes.append(f"this CPU has no VNNI: {asked.backend}'s int8 vision graph saturates and runs slower than fp32 here "
+    if asked.vision == "int8" and asked.backend == "openvino" and not native_vnni:
+        notes.append("this CPU has no VNNI: openvino's int8 vision graph saturates and runs slower than fp32 here "
                      "(the gate is likely to refuse it)")  # fmt: skip
+    if here.vision == "int8" and asked.backend == "onnxruntime" and not native_vnni and not asked.graphs:
+        notes.append("this CPU has no VNNI: onnxruntime's int8 vision graph takes 7-bit weights (reduce_range), "
+                     "which do not saturate")  # fmt: skip
     return notes
 
 
@@ -299,6 +302,7 @@ def _vision_graph(policy, model: nn.Module, precision, converted: dict, gate_obs
     from vla_accel_ros.core.backends import graph_file, load_runner
     from vla_accel_ros.core.parity import gate_frames
     from vla_accel_ros.models.graphs import VISION, vision_example, vision_runner
+    from vla_accel_ros.models.precision import native_vnni
 
     key = f"graph:{VISION}:{precision.backend}:{precision.vision}:{precision.graphs}"
     if key not in converted:
@@ -310,7 +314,8 @@ def _vision_graph(policy, model: nn.Module, precision, converted: dict, gate_obs
                                          shape=vision_example(policy.spec).shape)  # fmt: skip
         else:
             calibration = [policy.frames(o).pixels for o in gate_frames(policy.spec, observations=gate_observations)]
-            converted[key] = vision_runner(model, policy.spec, precision, threads=threads, calibration=calibration)
+            converted[key] = vision_runner(model, policy.spec, precision, threads=threads, calibration=calibration,
+                                           reduce_range=not native_vnni())  # fmt: skip
     return converted[key]
 
 

@@ -40,11 +40,12 @@ def vision_example(spec) -> torch.Tensor:
 
 
 def vision_runner(model: nn.Module, spec, precision: PrecisionConfig, *, threads: int,
-                  calibration: Iterable[torch.Tensor] = ()) -> GraphRunner:  # fmt: skip
+                  calibration: Iterable[torch.Tensor] = (), reduce_range: bool = False) -> GraphRunner:  # fmt: skip
     """``model.vis`` (fp32 modules) exported and loaded on ``precision.backend`` at
-    ``precision.vision``; ``calibration``: pixels [C, 3, S, S] of frames (OpenVINO int8)."""
+    ``precision.vision``; ``calibration``: pixels [C, 3, S, S] of frames (OpenVINO int8);
+    ``reduce_range``: ONNX Runtime int8 with 7-bit weights (a CPU without VNNI)."""
     return build_runner(model.vis, vision_example(spec), precision.backend, precision.vision, threads=threads,
-                        calibration=camera_inputs(calibration))  # fmt: skip
+                        calibration=camera_inputs(calibration), reduce_range=reduce_range)  # fmt: skip
 
 
 def camera_inputs(pixels: Iterable[torch.Tensor]) -> list[np.ndarray]:
