@@ -1,5 +1,5 @@
-"""How far is an OpenVINO vision graph from the eager fp32 tower? (docs/runtime.md, "OpenVINO int8:
-two departures from NNCF's defaults").
+"""How far is a vision graph from the eager fp32 tower, and how fast is it? (docs/runtime.md,
+"OpenVINO int8: two departures from NNCF's defaults" and "CPUs without bf16").
 
 Runs a bundle's vision tower + connector eagerly (fp32, the reference) on frames of one bag, then
 on OpenVINO: the fp32 graph with fp32 and with bf16 kernels, NNCF's int8 with NNCF's own
@@ -9,7 +9,13 @@ overflow fix on every layer (7-bit weights: what a CPU without VNNI needs to com
 exactly). Prints the CPU's ISA, each one's RMS and max error as a share of the tokens' std, and
 its median time per camera on one thread.
 
-Usage, from the repository root (the shipped bundle: about 2 min)::
+Then the other runners, interleaved (a slow moment of the machine hits each alike), p50 / p95
+per camera: PyTorch's int8 tower (``vision: int8``), ONNX Runtime on the fp32 graph and on int8
+graphs (the one ``vla-accel export --onnx`` wrote, and ``quantize_dynamic`` with 7-bit weights
+and with u8 weights: the two ways around u8 x s8 saturation without VNNI); and the eager tower's
+operators by self time (``torch.profiler``).
+
+Usage, from the repository root (the shipped bundle: about 4 min)::
 
     MUJOCO_GL=egl .venv/bin/vla-accel export --bundle bundles/transfer_cube-smolvla --out graphs --onnx \\
         --calibrate CALIB_BAG --calibrate-frames 32
@@ -29,6 +35,7 @@ import torch
 
 from vla_accel_ros.cli.export_cmd import _bag_pixels
 from vla_accel_ros.core.policy_config import PolicyConfig
+from vla_accel_ros.core.precision import PrecisionConfig
 from vla_accel_ros.models.factory import load_policy
 from vla_accel_ros.models.graphs import camera_inputs
 
@@ -87,6 +94,55 @@ def main() -> None:
         err = out - ref
         print(f"{name:34s} RMS {np.sqrt((err**2).mean()) / ref.std():.2%}  max {np.abs(err).max() / ref.std():.1%}  "
               f"{1000 * np.median(times):.0f} ms per camera")  # fmt: skip
+    other_runners(args, policy, test, ref)
+
+
+def other_runners(args, eager, test: np.ndarray, ref: np.ndarray, repeats: int = 30) -> None:
+    """PyTorch int8 and ONNX Runtime against the eager tower, interleaved; then its profile."""
+    import tempfile
+
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    int8 = load_policy(args.bundle, PolicyConfig(parity_check=False, precision=PrecisionConfig(vision="int8")))
+    tmp = Path(tempfile.mkdtemp())
+    graphs = {"ORT fp32": args.graphs / "vision.onnx", "ORT int8, vla-accel export": args.graphs / "vision.int8.onnx"}
+    for name, kwargs in {"7-bit weights": {"weight_type": QuantType.QInt8, "reduce_range": True},
+                         "u8 weights": {"weight_type": QuantType.QUInt8}}.items():  # fmt: skip
+        dst = tmp / f"{name.replace(' ', '_')}.onnx"
+        quantize_dynamic(str(args.graphs / "vision.onnx"), str(dst), per_channel=True, op_types_to_quantize=["MatMul"], **kwargs)
+        graphs[f"ORT int8, {name}"] = dst
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+
+    def session(path: Path):
+        s = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        name = s.get_inputs()[0].name
+        return lambda x: s.run(None, {name: x})[0]
+
+    runners = {
+        "torch fp32 (eager)": lambda x: eager.model.vis(torch.from_numpy(x)).numpy(),
+        "torch int8 (vision: int8)": lambda x: int8.model.vis(torch.from_numpy(x)).numpy(),
+        **{name: session(path) for name, path in graphs.items()},
+    }
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    with torch.inference_mode():
+        outs = {name: np.concatenate([run(test[i : i + 1]) for i in range(len(test))]) for name, run in runners.items()}
+        for _ in range(repeats):
+            for name, run in runners.items():
+                t0 = time.perf_counter()
+                run(test[:1])
+                times[name].append(time.perf_counter() - t0)
+    for name, out in outs.items():
+        err, t = out - ref, 1000 * np.array(times[name])
+        print(f"{name:34s} RMS {np.sqrt((err**2).mean()) / ref.std():.2%}  max {np.abs(err).max() / ref.std():.1%}  "
+              f"p50 {np.median(t):.0f} ms  p95 {np.percentile(t, 95):.0f} ms per camera (interleaved)")  # fmt: skip
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            eager.model.vis(torch.from_numpy(test[:1]))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
 
 
 if __name__ == "__main__":
