@@ -13,8 +13,8 @@ Precisions, per runtime (the component's ``precision.*`` value):
   (``onnxruntime.quantization.quantize_dynamic``: int8 weights per output channel, activations
   quantized per call, as PyTorch's dynamic int8 linear; no calibration data). No bf16 on CPU.
   For a CPU without VNNI the weights take 7 bits (``reduce_range``): its u8 x s8 products
-  saturate their int16 pair sums otherwise (the shipped SmolVLA's tower: 7.7% RMS off, 133% of
-  the std at worst, against 0.7% and 8% with 7 bits; docs/runtime.md, "CPUs without bf16").
+  saturate their int16 pair sums otherwise (the shipped SmolVLA's tower: 7.75% RMS off, 135% of
+  the std at worst, against 0.72% and 10.6% with 7 bits; docs/runtime.md, "CPUs without bf16").
 * ``openvino``: ``fp32`` (``INFERENCE_PRECISION_HINT=f32``: OpenVINO's CPU plugin would
   otherwise run bf16 wherever the CPU has it), ``bf16`` (its bf16 kernels: AMX / AVX512-BF16),
   ``int8``: NNCF's post-training quantization of the graph (``nncf.quantize``, transformer

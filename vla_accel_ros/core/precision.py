@@ -224,7 +224,7 @@ WITHOUT_BF16 = {"bf16": "fp32", "hybrid": "int8"}
 # its fp32 (211 against 158 ms a camera), so ``auto`` runs the graph in fp32 there; NNCF's
 # overflow fix (7-bit weights) ends the saturation and is no faster. ONNX Runtime's int8 graph
 # keeps int8: built there with 7-bit weights (core.backends), it is 0.7% RMS off and the fastest
-# accurate runner of that tower (1.24x its eager fp32). The rule follows VNNI, not bf16: a CPU
+# accurate runner of that tower (1.23-1.27x its eager fp32). The rule follows VNNI, not bf16: a CPU
 # with AVX-VNNI and no bf16 (Intel's client parts) keeps the int8 graph and its gate (not
 # measured on one).
 GRAPH_INT8_WITHOUT_VNNI = "fp32"
