@@ -77,8 +77,9 @@ def _onnx(args: argparse.Namespace) -> int:
     from vla_accel_ros.core.parity import changed_observation, fixed_observation
     from vla_accel_ros.core.policy_config import PolicyConfig
     from vla_accel_ros.models.factory import load_policy
-    from vla_accel_ros.models.graphs import VISION, camera_inputs, check_vision_runner, vision_example, vision_fingerprint
-    from vla_accel_ros.models.precision import native_vnni
+    from vla_accel_ros.models.graphs import (
+        VISION, camera_inputs, check_vision_runner, reduce_range_here, vision_example, vision_fingerprint,
+    )  # fmt: skip
 
     if args.precision != "fp32":
         raise ConfigError(f"--precision {args.precision} with --onnx: the graphs are exported from the fp32 weights; "
@@ -99,9 +100,9 @@ def _onnx(args: argparse.Namespace) -> int:
     wanted = [("onnxruntime", "fp32"), ("openvino", "fp32"), ("onnxruntime", "int8")]
     wanted += [("openvino", "int8")] if calibration else []
     graphs, worst = {}, 0.0
-    # ONNX Runtime's int8 graph takes 7-bit weights where this CPU has no VNNI (core.backends); a
-    # graph written here for a CPU with VNNI runs there too, a little less exactly.
-    reduce_range = not native_vnni()
+    # ONNX Runtime's int8 graph takes 7-bit weights where this CPU has no VNNI; a graph written
+    # here for a CPU with VNNI runs there too, a little less exactly.
+    reduce_range = reduce_range_here()
     for backend, precision in wanted:
         try:
             path = write_graph(model.vis, example, out, VISION, backend, precision, calibration=camera_inputs(calibration),
@@ -112,12 +113,11 @@ def _onnx(args: argparse.Namespace) -> int:
             continue
         if precision == "fp32":
             worst = max(worst, delta)
-        sevenbit = backend == "onnxruntime" and precision == "int8" and reduce_range
+        entry = graphs[f"{backend}/{precision}"] = {"file": path.name, "max_abs_vs_eager": delta}
+        if (backend, precision) == ("onnxruntime", "int8"):
+            entry["reduce_range"] = reduce_range
         print(f"{VISION} {backend:11s} {precision}  {path.name}  max |graph - eager| {delta:.2e}"
-              + ("  (7-bit weights: this CPU has no VNNI)" if sevenbit else ""))  # fmt: skip
-        graphs[f"{backend}/{precision}"] = {"file": path.name, "max_abs_vs_eager": delta}
-        if backend == "onnxruntime" and precision == "int8":
-            graphs[f"{backend}/{precision}"]["reduce_range"] = reduce_range
+              + ("  (7-bit weights: this CPU has no VNNI)" if entry.get("reduce_range") else ""))  # fmt: skip
     if not graphs:
         print("no graph written: install the runtimes of requirements.txt (onnx, onnxscript, onnxruntime, openvino, nncf)")
         return 1

@@ -302,7 +302,6 @@ def _vision_graph(policy, model: nn.Module, precision, converted: dict, gate_obs
     from vla_accel_ros.core.backends import graph_file, load_runner
     from vla_accel_ros.core.parity import gate_frames
     from vla_accel_ros.models.graphs import VISION, vision_example, vision_runner
-    from vla_accel_ros.models.precision import native_vnni
 
     key = f"graph:{VISION}:{precision.backend}:{precision.vision}:{precision.graphs}"
     if key not in converted:
@@ -314,8 +313,7 @@ def _vision_graph(policy, model: nn.Module, precision, converted: dict, gate_obs
                                          shape=vision_example(policy.spec).shape)  # fmt: skip
         else:
             calibration = [policy.frames(o).pixels for o in gate_frames(policy.spec, observations=gate_observations)]
-            converted[key] = vision_runner(model, policy.spec, precision, threads=threads, calibration=calibration,
-                                           reduce_range=not native_vnni())  # fmt: skip
+            converted[key] = vision_runner(model, policy.spec, precision, threads=threads, calibration=calibration)
     return converted[key]
 
 

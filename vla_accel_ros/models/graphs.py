@@ -39,13 +39,20 @@ def vision_example(spec) -> torch.Tensor:
     return torch.zeros(1, 3, spec.image_size, spec.image_size)
 
 
+def reduce_range_here() -> bool:
+    """Whether ONNX Runtime's int8 graphs take 7-bit weights on this CPU: where it has no VNNI
+    (core.backends' module doc), for the policy's graph and ``vla-accel export``'s alike."""
+    from vla_accel_ros.models import precision
+
+    return not precision.native_vnni()
+
+
 def vision_runner(model: nn.Module, spec, precision: PrecisionConfig, *, threads: int,
-                  calibration: Iterable[torch.Tensor] = (), reduce_range: bool = False) -> GraphRunner:  # fmt: skip
+                  calibration: Iterable[torch.Tensor] = ()) -> GraphRunner:  # fmt: skip
     """``model.vis`` (fp32 modules) exported and loaded on ``precision.backend`` at
-    ``precision.vision``; ``calibration``: pixels [C, 3, S, S] of frames (OpenVINO int8);
-    ``reduce_range``: ONNX Runtime int8 with 7-bit weights (a CPU without VNNI)."""
+    ``precision.vision``; ``calibration``: pixels [C, 3, S, S] of frames (OpenVINO int8)."""
     return build_runner(model.vis, vision_example(spec), precision.backend, precision.vision, threads=threads,
-                        calibration=camera_inputs(calibration), reduce_range=reduce_range)  # fmt: skip
+                        calibration=camera_inputs(calibration), reduce_range=reduce_range_here())  # fmt: skip
 
 
 def camera_inputs(pixels: Iterable[torch.Tensor]) -> list[np.ndarray]:
