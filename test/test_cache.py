@@ -495,3 +495,19 @@ def test_a_token_of_several_patches_is_static_only_when_each_of_them_is():
         _step(planner, ctx(frame))
         _step(planner, ctx(changed))
         assert bool(planner.last.static[0, 0]) is token0_static and bool(planner.last.static[0, 1:].all())
+
+
+def test_patchify_by_sub_patch_lays_each_vision_patch_out_contiguously():
+    """``patchify(..., sub)`` orders a token's row by its vision patches, so ``sub_patches`` is a
+    view: block k of token t is exactly the pixels of that patch, and norms over a whole row do
+    not depend on the order."""
+    from vla_accel_ros.core.cache.selection import sub_patches
+
+    frame = torch.from_numpy(_image(3)[:112, :112].copy())[None]  # [1, 112, 112, 3]: 2 x 2 tokens of 56 px
+    rows = patchify(frame, 56, 14)
+    blocks = sub_patches(rows, 56, 14)  # [1, 4, 16, 14 * 14 * 3]
+    assert blocks.data_ptr() == rows.data_ptr()
+    for t, k in ((0, 0), (1, 5), (3, 15)):
+        y, x = (t // 2) * 56 + (k // 4) * 14, (t % 2) * 56 + (k % 4) * 14
+        assert torch.equal(blocks[0, t, k], frame[0, y : y + 14, x : x + 14].reshape(-1).float())
+    torch.testing.assert_close(patch_norms(rows), patch_norms(patchify(frame, 56)))

@@ -73,6 +73,32 @@ def test_reuse_vision_runs_the_changed_patches(family, tiny_policies):
     assert report.metrics["accel_tokens_reused"] > 0
 
 
+def test_vision_only_reuse_recomputes_the_decoder_and_ages_the_kept_features(tiny_policies):
+    """force_recompute_layers past the decoder's depth: the decoder recomputes every token at
+    every layer (no K/V reused, the plan is full), while the static tokens keep their vision
+    features; those keep their reference patch and age, so max_reuse_age still refreshes them."""
+    cache = {"relevance_mode": "off", "topk_reuse": 256, "reuse_vision": True, "force_recompute_layers": 1024,
+             "max_reuse_age": 2, "stagger_refresh": False}  # fmt: skip
+    policy = sibling_policy(tiny_policies["flow"], PolicyConfig(accel="cache", parity_check=False, cache=cache))
+    obs = fixed_observation(policy.spec)
+    second = changed_observation(obs, policy.spec)
+    noise = gate_noise(policy)
+    policy.infer(obs, noise=noise)
+    chunk = policy.infer(second, noise=noise)
+    sel = policy.planner.last
+    kept = int(sel.kept.sum())
+    assert not bool(sel.reused.any()) and chunk.stats["reused_tokens"] == 0  # no decoder K/V reused
+    assert 0 < kept < 256 and chunk.stats["vision_reused"] == kept
+    assert policy._vision_cache.computed == 256 - kept
+    again = policy.infer(second, noise=noise)  # kept tokens at age 1, then 2: refreshed
+    assert again.stats["vision_reused"] > 0
+    policy.infer(second, noise=noise)
+    assert bool(policy.planner.last.aged.any()) and policy._vision_cache.computed > 0
+    report = run_parity(policy)
+    assert report.passed, report.table()
+    assert report.metrics["accel_tokens_reused"] > 0  # the gate counts the vision reuse
+
+
 def _stem_spec(stem, patch: int = 14):
     from vla_accel_ros.models.factory import demo_spec
 

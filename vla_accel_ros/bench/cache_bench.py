@@ -38,6 +38,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper-rule": {"max_relative_change": 1e6, "scene_cut_fraction": 0.0},
     # The vision tower's work reused too (only the recomputed patches go through the encoder).
     "vision": {"reuse_vision": True},
+    # Only the vision tower's work reused, of bit-identical patches: the decoder recomputes every
+    # token at every layer (the depth exceeds any decoder's). On the trained SmolVLA a patch
+    # whose pixels moved a little (cosine 0.996) and kept its features moved the chunk by up
+    # to 2 action std; bit-identical ones, under the scene cut, by 0.15 (docs/methods/token-cache.md).
+    "vision-only": {"reuse_vision": True, "force_recompute_layers": 1024, "topk_reuse": 256, "relevance_mode": "off",
+                    "max_relative_change": 0.0},
 }
 
 STAGES = ("preprocess", "select", "vision", "prefill", "reason", "decode", "denoise", "postprocess", "total")

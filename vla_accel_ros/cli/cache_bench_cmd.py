@@ -21,7 +21,7 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=3, help="frames processed but not timed")
     p.add_argument(
         "--presets", default="default,max-reuse",
-        help="comma-separated cache configurations to run side by side: default, max-reuse, public-code, entropy, paper-rule",
+        help="comma-separated cache configurations to run side by side: default, max-reuse, public-code, entropy, paper-rule, vision, vision-only",
     )  # fmt: skip
     add_override_flags(p, "cache", applies_to="every preset")
     p.add_argument("--speed", type=float, default=1.0, help="arm speed of the synthetic sequence")

@@ -24,9 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--modes", default="baseline,cache",
         help="comma-separated modes run side by side (baseline is added when missing): baseline, transformers, "
-        "cache, cache-<preset> for the presets of `bench cache` (max-reuse, public-code, entropy, paper-rule), prune, "
-        "cache+prune, ...; a suffix @<precision>[+<backend>][+compile] runs a mode at a precision preset (fp32, bf16, "
-        "int8, hybrid, auto), its vision tower on ONNX Runtime or OpenVINO (onnxruntime, openvino) and/or compiled, "
+        "cache, cache-<preset> for the presets of `bench cache` (max-reuse, public-code, entropy, paper-rule, vision, "
+        "vision-only), prune, cache+prune, ...; a suffix @<precision>[+<backend>][+compile] runs a mode at a "
+        "precision preset (fp32, bf16, int8, hybrid, auto), its vision tower on ONNX Runtime or OpenVINO (onnxruntime, openvino) and/or compiled, "
         "e.g. baseline@int8, cache+prune@auto+compile, baseline@compile, baseline@auto+openvino",
     )  # fmt: skip
     p.add_argument("--report", required=True, type=Path, help="directory for report.json, report.md and the plots")

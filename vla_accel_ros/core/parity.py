@@ -320,7 +320,8 @@ def _accelerated_check(policy, obs: Observation, second: Observation, noise, ref
         if not st.get("tokens_pruned", 0):
             report.failures.append("pruning dropped no token on the gate's frames: the gate cannot verify it")
     if cfg.uses_cache:
-        reused = int(st.get("reused_tokens", 0))
+        # Decoder K/V or only vision features (cache.reuse_vision past the decoder's depth)
+        reused = max(int(st.get("reused_tokens", 0)), int(st.get("vision_reused", 0)))
         report.metrics["accel_tokens_reused"] = float(reused)
         static, evicted = int(st.get("static_tokens", 0)), int(st.get("evicted_tokens", 0))
         candidates = int(st.get("candidate_tokens", static))  # static, on cameras without a scene cut

@@ -92,9 +92,10 @@ class CacheConfig(Config):
     )
     reuse_vision: bool = param(
         False,
-        doc="also reuse the vision tower's work: only the patches the frame recomputes at every decoder layer "
-        "(changed, aged, evicted, capped) run through the vision encoder, the others keep the encoder K/V and "
-        "image-token embeddings of the frame that last computed them",
+        doc="also reuse the vision tower's work: only the patches of tokens outside the reusable set (changed, "
+        "aged, evicted, capped) run through the vision encoder, the others keep the encoder K/V and image-token "
+        "embeddings of the frame that last computed them; with force_recompute_layers >= the decoder's depth "
+        "only this is reused (the decoder recomputes every token: preset vision-only)",
     )
     # -- lifecycle ------------------------------------------------------------------------------
     scene_cut_fraction: float = param(

@@ -50,6 +50,7 @@ class Selection:
     capped: torch.Tensor  # [C, T] bool: reusable but beyond the top-k cap -> recomputed
     reuse_start: torch.Tensor  # [C, T] int64: first layer the token is reused at (L: never)
     alpha: list[float]
+    kept: torch.Tensor  # [C, T] bool: the reusable set (static, not aged, evicted or capped)
 
     @property
     def reused(self) -> torch.Tensor:
@@ -161,7 +162,7 @@ class TokenCachePlanner:
         if reason:
             self.reset(reason)
         self._key = key
-        patches = sel.patchify(frames, lay.patch_size)  # [C, T, p*p*3]
+        patches = sel.patchify(frames, lay.patch_size, lay.static_patch)  # [C, T, p*p*3]
         norms = sel.patch_norms(patches)  # [C, T]
         taps = self._taps(lay)
         never = torch.full((C, T), L, dtype=torch.long)
@@ -174,9 +175,9 @@ class TokenCachePlanner:
             plan = PrefixPlan(layer_slots=[slots] * L, taps=taps, full=True, reset_reason=reason)
             no = torch.zeros(C, T, dtype=torch.bool)
             if s is None:
-                s = Selection(torch.ones(C, T), no, torch.zeros(C, dtype=torch.bool), no, no, no, never, [0.0] * L)
+                s = Selection(torch.ones(C, T), no, torch.zeros(C, dtype=torch.bool), no, no, no, never, [0.0] * L, no)
             else:
-                s = Selection(s.similarity, s.static, s.scene_cut, no, no, no, never, [0.0] * L)
+                s = Selection(s.similarity, s.static, s.scene_cut, no, no, no, never, [0.0] * L, no)
             self.last = s
             plan.stats = self._stats(s, fixed_reused=0)
             if cfg.reuse_vision:  # every patch through the tower, its state cached for the next frames
@@ -204,11 +205,12 @@ class TokenCachePlanner:
         plan = PrefixPlan(layer_slots=layer_slots, taps=taps, full=full, absent=self._absent(lay, s))
         plan.stats = self._stats(s, fixed_reused=int(fixed.numel()))
         if cfg.reuse_vision:
-            # Tokens computed at every decoder layer are the ones whose pixels changed (or aged,
-            # evicted, capped): the same set needs new vision features; a reused token's
-            # features stay those of the frame whose K/V it carries.
-            plan.vision_fresh = s.reuse_start >= L
-            plan.stats["vision_reused"] = int((~plan.vision_fresh).sum())
+            # The reusable set keeps its vision features: the frame whose K/V a reused token
+            # carries computed them. Where the layer schedule reuses a kept token at no decoder
+            # layer (force_recompute_layers >= the depth: only the tower's work is reused), the
+            # decoder recomputes it from those features.
+            plan.vision_fresh = ~s.kept
+            plan.stats["vision_reused"] = int(s.kept.sum())
         self.last = s
         self._pending = _Pending(plan, patches, norms, s.reuse_start, s.scene_cut, reset=False)
         return plan
@@ -221,11 +223,10 @@ class TokenCachePlanner:
             new = sel.sub_patches(patches, lay.patch_size, lay.static_patch)
             ref = sel.sub_patches(self._ref, lay.patch_size, lay.static_patch)
             ref_norm = sel.patch_norms(ref)
-            sim = sel.cosine(new, sel.patch_norms(new), ref, ref_norm).amin(-1)  # [C, T]
-            change = sel.relative_change(new, ref, ref_norm).amax(-1)  # [C, T]
+            sim, change = sel.compare(new, sel.patch_norms(new), ref, ref_norm)
+            sim, change = sim.amin(-1), change.amax(-1)  # [C, T]
         else:
-            sim = sel.cosine(patches, norms, self._ref, self._ref_norm)  # [C, T]
-            change = sel.relative_change(patches, self._ref, self._ref_norm)  # [C, T]
+            sim, change = sel.compare(patches, norms, self._ref, self._ref_norm)  # [C, T]
         # Static means the pixels did not change: the cosine alone is blind to a change of scale
         # (exposure, gain), so the relative change must be small too.
         static = (sim >= cfg.sim_threshold) & (change <= cfg.max_relative_change)
@@ -256,7 +257,7 @@ class TokenCachePlanner:
         counts = torch.tensor([[math.floor(a * c + 1e-9) for c in n] for a in alpha], dtype=torch.long)  # [L, C]
         reused_at = counts[:, :, None] > rank[None]  # [L, C, T], monotone in l
         reuse_start = L - reused_at.sum(0)  # [C, T]
-        return Selection(sim, static, cut, aged, evicted, capped, reuse_start, alpha)
+        return Selection(sim, static, cut, aged, evicted, capped, reuse_start, alpha, keep)
 
     def _absent(self, lay: PrefixLayout, s: Selection) -> dict[int, torch.Tensor]:
         """Layer -> the reused image slots whose K/V end there (see PrefixPlan.absent)."""
@@ -321,8 +322,11 @@ class TokenCachePlanner:
         cfg, lay = self.config, ctx.layout
         L, C, T = lay.num_layers, len(lay.cameras), lay.tokens_per_camera
         # Tokens computed at every layer hold this frame's K/V throughout: their patch becomes
-        # the reference. Reused tokens keep the reference whose K/V they still carry.
+        # the reference. Reused tokens keep the reference whose K/V (or vision features: a
+        # kept token under reuse_vision) they still carry, and age.
         fresh = pend.reuse_start >= L  # [C, T]
+        if cfg.reuse_vision and pend.plan.vision_fresh is not None:
+            fresh = fresh & pend.plan.vision_fresh
         offsets = (torch.arange(T) % cfg.max_reuse_age) if cfg.stagger_refresh else torch.zeros(T, dtype=torch.long)
         offsets = offsets.expand(C, T)
         if pend.reset:

@@ -9,12 +9,20 @@ from __future__ import annotations
 import torch
 
 
-def patchify(frames: torch.Tensor, patch: int) -> torch.Tensor:
-    """[C, S, S, 3] uint8 -> [C, G*G, p*p*3] float32, row-major over the grid like the tokens."""
+def patchify(frames: torch.Tensor, patch: int, sub: int = 0) -> torch.Tensor:
+    """[C, S, S, 3] uint8 -> [C, G*G, p*p*3] float32, row-major over the grid like the tokens.
+
+    With ``sub`` (a divisor of ``patch``) each row lists its ``sub`` x ``sub`` blocks one after
+    the other, so :func:`sub_patches` is a view, not a copy of every frame's pixels (norms and
+    cosines over a whole row do not depend on the order)."""
     C, S, _, ch = frames.shape
     g = S // patch
-    x = frames.reshape(C, g, patch, g, patch, ch).permute(0, 1, 3, 2, 4, 5)  # [C, G, G, p, p, 3]
-    return x.reshape(C, g * g, patch * patch * ch).float()
+    if sub and sub < patch:
+        n = patch // sub
+        x = frames.reshape(C, g, n, sub, g, n, sub, ch).permute(0, 1, 4, 2, 5, 3, 6, 7)  # [C, G, G, n, n, s, s, 3]
+    else:
+        x = frames.reshape(C, g, patch, g, patch, ch).permute(0, 1, 3, 2, 4, 5)  # [C, G, G, p, p, 3]
+    return x.reshape(C, g * g, -1).float()
 
 
 def patch_norms(patches: torch.Tensor) -> torch.Tensor:
@@ -22,32 +30,29 @@ def patch_norms(patches: torch.Tensor) -> torch.Tensor:
 
 
 def sub_patches(patches: torch.Tensor, patch: int, sub: int) -> torch.Tensor:
-    """[C, T, p*p*3] (tokens of ``patch`` pixels) -> [C, T, (p/s)^2, s*s*3]: each token's
+    """[C, T, p*p*3] of :func:`patchify` with ``sub`` -> [C, T, (p/s)^2, s*s*3]: each token's
     ``sub`` x ``sub`` pixel blocks (the vision patches it merges), row-major."""
     C, T, _ = patches.shape
-    n = patch // sub
-    x = patches.reshape(C, T, n, sub, n, sub, 3).permute(0, 1, 2, 4, 3, 5, 6)  # [C, T, n, n, s, s, 3]
-    return x.reshape(C, T, n * n, sub * sub * 3)
+    return patches.view(C, T, (patch // sub) ** 2, sub * sub * 3)
+
+
+def compare(new: torch.Tensor, new_norm: torch.Tensor, ref: torch.Tensor, ref_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per patch, the raw-pixel cosine and the relative change ||new - ref|| / ||ref|| (a black
+    reference: the absolute change / 255), in one pass over the difference.  -> [C, T] each
+
+    Bit-identical patches score a cosine of exactly 1 (float rounding could put them a hair
+    under a threshold of 1.0), a black patch against a non-black one 0. Unlike the cosine, the
+    relative change sees a change of scale: every pixel halved scores 0.5."""
+    dist = (new - ref).norm(dim=-1)
+    sim = ((new * ref).sum(-1) / (new_norm * ref_norm).clamp_min(1e-12)).clamp(-1.0, 1.0)
+    # Pixels are whole numbers: a distance of 0 means identical, any other is at least 1.
+    sim = torch.where(dist == 0, torch.ones_like(sim), sim)
+    change = torch.where(ref_norm > 0, dist / ref_norm.clamp_min(1e-12), dist / 255.0)
+    return sim, change
 
 
 def cosine(new: torch.Tensor, new_norm: torch.Tensor, ref: torch.Tensor, ref_norm: torch.Tensor) -> torch.Tensor:
-    """Raw-pixel cosine similarity per patch.  -> [C, T]
-
-    Bit-identical patches score exactly 1 (float rounding could put them a hair under a
-    threshold of 1.0); a black patch against a non-black one scores 0.
-    """
-    dot = (new * ref).sum(-1)
-    sim = dot / (new_norm * ref_norm).clamp_min(1e-12)
-    same = (new == ref).all(-1)
-    return torch.where(same, torch.ones_like(sim), sim.clamp(-1.0, 1.0))
-
-
-def relative_change(new: torch.Tensor, ref: torch.Tensor, ref_norm: torch.Tensor) -> torch.Tensor:
-    """||new - ref|| / ||ref|| per patch (a black reference: the absolute change / 255).  -> [C, T]
-
-    Unlike the cosine this sees a change of scale: every pixel halved scores 0.5."""
-    diff = (new - ref).norm(dim=-1)
-    return torch.where(ref_norm > 0, diff / ref_norm.clamp_min(1e-12), diff / 255.0)
+    return compare(new, new_norm, ref, ref_norm)[0]
 
 
 def scaled_count(per_256: int, tokens: int) -> int:
