@@ -322,11 +322,9 @@ class TokenCachePlanner:
         cfg, lay = self.config, ctx.layout
         L, C, T = lay.num_layers, len(lay.cameras), lay.tokens_per_camera
         # Tokens computed at every layer hold this frame's K/V throughout: their patch becomes
-        # the reference. Reused tokens keep the reference whose K/V (or vision features: a
-        # kept token under reuse_vision) they still carry, and age.
-        fresh = pend.reuse_start >= L  # [C, T]
-        if cfg.reuse_vision and pend.plan.vision_fresh is not None:
-            fresh = fresh & pend.plan.vision_fresh
+        # the reference. Reused tokens keep the reference whose K/V (under reuse_vision: whose
+        # vision features, a superset) they still carry, and age.
+        fresh = pend.plan.vision_fresh if cfg.reuse_vision else pend.reuse_start >= L  # [C, T]
         offsets = (torch.arange(T) % cfg.max_reuse_age) if cfg.stagger_refresh else torch.zeros(T, dtype=torch.long)
         offsets = offsets.expand(C, T)
         if pend.reset:
