@@ -31,8 +31,10 @@ CAMERAS=${CAMERAS:-top,left_wrist,right_wrist}
 RENDER_EVERY=${RENDER_EVERY:-4}
 EPISODES_PER_BAG=${EPISODES_PER_BAG:-4}
 STEPS=${STEPS:-0}                      # control steps per episode (0: the task's)
-SEED0=${SEED0:-30000}                  # process p, bag k: seed SEED0 + 1000 p + EPISODES_PER_BAG k
-VAL_SEED=${VAL_SEED:-90000}
+SEED0=${SEED0:-70000}                  # process p, bag k: seed SEED0 + 1000 p + EPISODES_PER_BAG k (used: 1000, 30000, 50000)
+VAL_SEED=${VAL_SEED:-91000}            # recorded without noise: val losses comparable between calls
+ACTION_NOISE=${ACTION_NOISE:-0.02}     # training bags: rad of held command noise, the label the expert's (sim record --action-noise)
+NOISE_HOLD=${NOISE_HOLD:-25}
 VAL_EPISODES=${VAL_EPISODES:-8}
 BAG_TIMEOUT=${BAG_TIMEOUT:-$(( 60 * EPISODES_PER_BAG + 60 ))}
 DEVICE=${DEVICE:-cuda}
@@ -67,9 +69,10 @@ STEP_ARGS=()
 [ "$STEPS" -gt 0 ] && STEP_ARGS=(--steps "$STEPS")
 INIT=()
 [ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
-record() {  # SEED EPISODES OUT: one bag, under a timeout, its output in the log
+record() {  # SEED EPISODES OUT [NOISE]: one bag, under a timeout, its output in the log
   timeout -k 10 "$BAG_TIMEOUT" "${VLA[@]}" sim record --task "$TASK" --episodes "$2" --seed "$1" \
-    --cameras "$CAMERAS" --render-every "$RENDER_EVERY" "${STEP_ARGS[@]}" --out "$3" >> "$LOG" 2>&1
+    --cameras "$CAMERAS" --render-every "$RENDER_EVERY" "${STEP_ARGS[@]}" --action-noise "${4:-0}" \
+    --noise-hold "$NOISE_HOLD" --out "$3" >> "$LOG" 2>&1
 }
 
 # -- recording ---------------------------------------------------------------------------------------
@@ -100,7 +103,7 @@ if [ "$RECORD_S" -gt 0 ]; then
     (
       k=0
       while [ ! -f "$WORKDIR/stop" ]; do  # at least one bag each, then none started after RECORD_S
-        record $(( SEED0 + 1000 * p + EPISODES_PER_BAG * k )) "$EPISODES_PER_BAG" "$DATA/p${p}_k${k}"
+        record $(( SEED0 + 1000 * p + EPISODES_PER_BAG * k )) "$EPISODES_PER_BAG" "$DATA/p${p}_k${k}" "$ACTION_NOISE"
         k=$(( k + 1 ))
         [ $SECONDS -lt $END ] || break
       done
@@ -125,7 +128,7 @@ fi
 BAGS=$(ls -d "$DATA"/p*_k* 2>/dev/null | sort -V)
 NBAGS=$(echo "$BAGS" | grep -c . || true)
 successes=$(grep -h -o "[0-9]* successes" "$LOG" | awk '{s += $1} END {print s + 0}')
-say "recorded: $NBAGS training bags of $EPISODES_PER_BAG episodes, validation bag: $([ -f "$DATA/val/metadata.yaml" ] && echo yes || echo no); scripted successes (all bags, probe included): $successes"
+say "recorded: $NBAGS training bags of $EPISODES_PER_BAG episodes (command noise $ACTION_NOISE rad held $NOISE_HOLD ticks), validation bag: $([ -f "$DATA/val/metadata.yaml" ] && echo yes || echo no); scripted successes (all bags, probe included): $successes"
 echo "bags $NBAGS x $EPISODES_PER_BAG, recorded by $(( SECONDS - T0 )) s" >> "$SUMMARY"
 if [ "$NBAGS" -eq 0 ] || [ ! -f "$DATA/val/metadata.yaml" ]; then
   say "FAILED: no training bag or no validation bag"

@@ -302,6 +302,8 @@ def test_cli_record_and_inspect(tmp_path: Path, capsys) -> None:
         main(["sim", "record", "--task", "insertion", "--out", str(tmp_path / "b"), "--height", "999"]) == 2
     )
     assert not (tmp_path / "b").exists()
+    assert main(["sim", "record", "--task", "insertion", "--out", str(tmp_path / "b"), "--action-noise", "0.5"]) == 2
+    assert "--action-noise 0.5" in capsys.readouterr().err and not (tmp_path / "b").exists()
     assert main(["bag", "inspect", str(tmp_path / "missing")]) == 2
 
 

@@ -10,6 +10,7 @@ pytest.importorskip("gym_aloha", reason="requirements-sim.txt is not installed")
 from vla_accel_ros.core.errors import ConfigError  # noqa: E402
 from vla_accel_ros.sim import (  # noqa: E402
     DT,
+    ActionNoise,
     AlohaSim,
     ScriptedExpert,
     SimConfig,
@@ -164,3 +165,43 @@ def test_rendered_episode_matches_blind_one() -> None:
     *_, last = scripted_episode_frames(sim, seed=0)
     assert last.success == traj.result.success
     np.testing.assert_array_equal(last.action, traj.actions[-1])
+
+
+def test_action_noise_offsets_are_held_arm_joint_offsets_of_the_seed() -> None:
+    noise = ActionNoise(std=0.02, hold=25)
+    held = noise.offsets(seed=0, attempt=0, steps=300)
+    assert held.shape == (300, 14) and not held[:, [6, 13]].any()  # grippers: none
+    assert (held[:25] == held[0]).all() and (held[25] != held[0]).any()
+    assert 0.01 < held[:, [0, 1, 2, 7, 8, 9]].std() < 0.03
+    np.testing.assert_array_equal(noise.offsets(0, 0, 300), held)
+    assert (noise.offsets(0, 1, 300) != held).any()
+    with pytest.raises(ConfigError, match="std"):
+        ActionNoise(std=-0.01)
+    with pytest.raises(ConfigError, match="hold"):
+        ActionNoise(std=0.01, hold=0)
+
+
+@pytest.mark.slow
+def test_action_noise_moves_the_arm_off_the_path_and_records_the_experts_action() -> None:
+    """DART demonstrations: the executed commands carry a held offset, the recorded actions stay
+    the expert's, the episode still succeeds, a seed gives the same episode twice, and a draw
+    the expert cannot complete is replaced by none."""
+    sim = AlohaSim(SimConfig(task="transfer_cube", cameras=("top",), height=H, width=W))
+    arm = [i for i in range(14) if i not in (6, 13)]
+
+    def off_path(frames) -> float:  # mean |state after a command - the recorded action|, arm joints
+        return float(np.mean([np.abs(b.qpos - a.action)[arm] for a, b in zip(frames, frames[1:])]))
+
+    noise = ActionNoise(std=0.02, hold=25)
+    clean = list(scripted_episode_frames(sim, seed=0, render_every=100))
+    noisy = list(scripted_episode_frames(sim, seed=0, render_every=100, noise=noise))
+    assert noisy[-1].success
+    assert off_path(noisy) > 1.5 * off_path(clean), (off_path(noisy), off_path(clean))
+    # Before the left arm aims at the cube (tick 150) the script follows time alone: the labels
+    # are the noiseless episode's to the bit, whatever the arm did.
+    np.testing.assert_array_equal([f.action for f in noisy[:150]], [f.action for f in clean[:150]])
+    again = list(scripted_episode_frames(sim, seed=0, render_every=100, noise=noise))
+    np.testing.assert_array_equal(again[-1].qpos, noisy[-1].qpos)
+    # One draw of 0.1 rad loses the cube on this seed: the episode is recorded without noise.
+    fallback = list(scripted_episode_frames(sim, seed=0, render_every=100, noise=ActionNoise(std=0.1, attempts=1)))
+    np.testing.assert_array_equal(fallback[-1].qpos, clean[-1].qpos)

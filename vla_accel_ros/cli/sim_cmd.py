@@ -33,6 +33,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="render the cameras every N ticks only (joint states and actions at every tick; the phase shifts "
         "per episode): rendering is most of the cost, and training reads the actions between frames",
     )  # fmt: skip
+    r.add_argument(
+        "--action-noise", type=float, default=0.0, metavar="RAD",
+        help="execute each arm joint's command with an offset drawn from N(0, RAD), held --noise-hold ticks, "
+        "and record the expert's action as it is: demonstrations of coming back to the path (DART). Each draw "
+        "is checked to still complete the task first (default 0: none)",
+    )  # fmt: skip
+    r.add_argument("--noise-hold", type=int, default=25, metavar="N", help="ticks each --action-noise offset is held (25 = 0.5 s)")
     r.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap", help="sqlite3 for Humble robots")
     r.add_argument(
         "--no-compress", action="store_true",
@@ -51,7 +58,7 @@ def _record(args: argparse.Namespace) -> int:
     from vla_accel_ros.io.bag_file import bag_size_bytes
     from vla_accel_ros.io.bag_writer import BagWriter
     from vla_accel_ros.io.sim_recorder import FrameRecorder
-    from vla_accel_ros.sim import SimConfig, scripted_frames
+    from vla_accel_ros.sim import ActionNoise, SimConfig, scripted_frames
 
     cameras = tuple(c.strip() for c in args.cameras.split(",") if c.strip())
     if args.episodes < 1 or args.steps < 1 or args.render_every < 1:
@@ -60,14 +67,19 @@ def _record(args: argparse.Namespace) -> int:
         )
     # Validate before the bag directory exists (the frame generator starts lazily).
     SimConfig(task=args.task, cameras=cameras, height=args.height, width=args.width)
+    try:
+        noise = ActionNoise(std=args.action_noise, hold=args.noise_hold)
+    except ConfigError as e:
+        raise ConfigError(f"--action-noise {args.action_noise} / --noise-hold {args.noise_hold}: {e}") from None
     frames = scripted_frames(
         args.task, args.episodes, seed=args.seed, steps=args.steps,
-        cameras=cameras, height=args.height, width=args.width, render_every=args.render_every,
+        cameras=cameras, height=args.height, width=args.width, render_every=args.render_every, noise=noise,
     )  # fmt: skip
     start_ns = time.time_ns() if args.start_time is None else int(args.start_time * 1e9)
     print(
         f"recording {args.episodes} x {args.steps} steps of {args.task} (cameras {', '.join(cameras)}, "
-        f"{args.width}x{args.height}) to {args.out} [{args.storage}]",
+        f"{args.width}x{args.height}) to {args.out} [{args.storage}]"
+        + (f", commands with {noise.std:g} rad of noise held {noise.hold} ticks" if noise.std > 0 else ""),
         file=sys.stderr,
     )
     t0 = time.perf_counter()
