@@ -18,10 +18,6 @@
 #  - one training run on every core, the bags read once by as many processes as there are cores.
 set -u
 T0=$SECONDS
-PY=${PY:-python3}
-OUTDIR=${OUTDIR:-${OUT:-gpu_out}}
-CARRY=${CARRY:-.gpucarry}
-WORKDIR=${WORKDIR:-gpu_work}
 DEADLINE_S=${DEADLINE_S:-570}          # the whole script, from its start; the call's limit is above it
 RECORD_S=${RECORD_S:-200}              # no bag is started after this; each process records one at least (0: record nothing, train on WORKDIR/data)
 PACK_S=${PACK_S:-30}                   # kept for packing after training
@@ -31,7 +27,7 @@ CAMERAS=${CAMERAS:-top,left_wrist,right_wrist}
 RENDER_EVERY=${RENDER_EVERY:-4}
 EPISODES_PER_BAG=${EPISODES_PER_BAG:-4}
 STEPS=${STEPS:-0}                      # control steps per episode (0: the task's)
-SEED0=${SEED0:-70000}                  # process p, bag k: seed SEED0 + 1000 p + EPISODES_PER_BAG k (used: 1000, 30000, 50000)
+SEED0=${SEED0:-110000}                 # process p, bag k: seed SEED0 + 1000 p + EPISODES_PER_BAG k (used: 1000, 30000, 50000, 70000)
 VAL_SEED=${VAL_SEED:-91000}            # recorded without noise: val losses comparable between calls
 ACTION_NOISE=${ACTION_NOISE:-0.02}     # training bags: rad of held command noise, the label the expert's (sim record --action-noise)
 NOISE_HOLD=${NOISE_HOLD:-25}
@@ -40,33 +36,14 @@ BAG_TIMEOUT=${BAG_TIMEOUT:-$(( 60 * EPISODES_PER_BAG + 60 ))}
 DEVICE=${DEVICE:-cuda}
 INIT_FROM=${INIT_FROM:-bundles/transfer_cube-smolvla}
 RUN=${RUN:-run}
-TRAIN_ARGS=${TRAIN_ARGS:---family smolvla --size mini --cameras cam_high,cam_left_wrist,cam_right_wrist --image-size 512 --patch-size 64 --no-state --batch 128 --lr 3e-4 --warmup-steps 100 --epochs 100 --threads 2 --loader-threads 6 --checkpoint-every 250 --keep-every 250}
+TRAIN_ARGS=${TRAIN_ARGS:---family smolvla --size mini --cameras cam_high,cam_left_wrist,cam_right_wrist --image-size 512 --patch-size 64 --no-state --batch 128 --lr 1e-4 --warmup-steps 100 --epochs 100 --threads 2 --loader-threads 6 --checkpoint-every 250 --keep-every 250}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}           # appended to TRAIN_ARGS: a later flag overrides an earlier one
 
-mkdir -p "$OUTDIR" "$WORKDIR"
-LOG=$OUTDIR/run.log
-SUMMARY=$OUTDIR/summary.txt
-say() { echo "[$(( SECONDS - T0 )) s] $*" | tee -a "$LOG"; }
-: > "$SUMMARY"
+LOG_NAME=run.log
 
 # -- the environment -----------------------------------------------------------------------------
-if [ -d "$CARRY/gl" ] && ls "$CARRY"/gl/*.deb >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  for f in "$CARRY"/gl/*.deb; do dpkg -x "$f" /; done
-  ldconfig
-fi
-NV_EGL=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
-[ -f "$NV_EGL" ] && export __EGL_VENDOR_LIBRARY_FILENAMES=$NV_EGL
-if [ -f "$CARRY/site.tar.xz" ]; then
-  mkdir -p /tmp/gpu_site && tar -xJf "$CARRY/site.tar.xz" -C /tmp/gpu_site
-  export PYTHONPATH=/tmp/gpu_site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-export MUJOCO_GL=egl PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-VLA=("$PY" -m vla_accel_ros.cli)
-say "python: $("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tail -1)"
-STEP_ARGS=()
-[ "$STEPS" -gt 0 ] && STEP_ARGS=(--steps "$STEPS")
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"
 INIT=()
 [ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
 record() {  # SEED EPISODES OUT [NOISE]: one bag, under a timeout, its output in the log

@@ -1,13 +1,16 @@
 """scripts/gpu_record_train.sh, the one command a borrowed GPU machine runs, dry on this CPU:
 the same script with the recipe's own training flags (against the shipped SmolVLA bundle it
-starts from), only smaller, through recording, training, keeping steps and packing."""
+starts from), only smaller, through recording, training, keeping steps and packing; and
+scripts/gpu_eval.sh, the closed loop of several bundles on that machine's cores."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -90,3 +93,37 @@ def test_what_the_carry_script_pins_is_pinned_in_the_requirements(name):
     assert re.search(rf"PINNED=\([^)]*\b{re.escape(name)}\b", script)
     reqs = "\n".join(p.read_text() for p in ROOT.glob("requirements*.txt"))
     assert re.search(rf"(?im)^{re.escape(name)}==\S+", reqs), name
+
+
+def test_the_gpu_eval_script_judges_bundles_on_the_same_seeds_and_packs_the_reports(tmp_path):
+    """Two bundles x two one-episode slices on two processes: every slice's report comes back in
+    one archive, and the paired table (the first bundle the reference) is in the summary."""
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "bundles" / "transfer_cube-smolvla", other)
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {
+        **os.environ, "PY": sys.executable, "CARRY": str(tmp_path / "none"), "OUTDIR": str(out), "WORKDIR": str(work),
+        "BUNDLES": f"bundles/transfer_cube-smolvla {other}", "EPISODES": "2", "SLICE": "1", "STEPS": "10", "PROCS": "2",
+        "DEADLINE_S": "300", "SLICE_S": "60",
+    }  # fmt: skip
+    run = subprocess.run(["bash", "scripts/gpu_eval.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["evals.tar.gz", "run_eval.log", "summary.txt"]
+    with tarfile.open(out / "evals.tar.gz") as tar:
+        names = sorted(n for n in tar.getnames() if n.endswith("report.json"))
+    other_name = re.sub(r"[^A-Za-z0-9._-]", "_", str(other))
+    assert names == sorted(f"./{b}/{s}/report.json" for b in ("bundles_transfer_cube-smolvla", other_name) for s in (95000, 95001))
+    summary = (out / "summary.txt").read_text()
+    assert "bundles_transfer_cube-smolvla: 2 slices" in summary and f"{other_name}: 2 slices" in summary
+    assert "seed by seed" in summary  # the paired table against the first bundle
+
+
+def test_the_gpu_eval_script_names_a_missing_bundle_and_starts_no_slice_past_its_deadline(tmp_path):
+    env = {**os.environ, "PY": sys.executable, "CARRY": str(tmp_path / "none"), "OUTDIR": str(tmp_path / "out"),
+           "WORKDIR": str(tmp_path / "work"), "BUNDLES": f"bundles/transfer_cube-smolvla {tmp_path / 'gone'}"}  # fmt: skip
+    run = subprocess.run(["bash", "scripts/gpu_eval.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and f"BUNDLES names {tmp_path / 'gone'}, which is not a bundle" in run.stdout
+    env.update(BUNDLES="bundles/transfer_cube-smolvla", DEADLINE_S="30", SLICE_S="60")
+    run = subprocess.run(["bash", "scripts/gpu_eval.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "FAILED: no slice wrote a report" in run.stdout
+    assert "not started (deadline)" in (tmp_path / "out" / "run_eval.log").read_text()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError, ObservationError
+from vla_accel_ros.core.robot.config import ALOHA_GRIPPERS
 from vla_accel_ros.core.types import Observation
 from vla_accel_ros.models.common import Frames, make_tokenizer
 from vla_accel_ros.models.flow_core import FlowCore, FlowFamilyBase
@@ -76,7 +77,7 @@ def _gripper_from_angular_inv(x: torch.Tensor) -> torch.Tensor:
     return _rescale(_rescale(x, -0.6213, 1.4910, inverse=True), 0.4, 1.5, inverse=False)
 
 
-_FLIPPED, _GRIPPERS = (1, 2, 8, 9), (6, 13)
+_FLIPPED = (1, 2, 8, 9)
 # What each direction does to a gripper: the state into pi's space; the model's actions out to
 # ALOHA's; ALOHA's actions back into the model's (training targets, RTC's previous chunk: the
 # exact inverse of the second, which LeRobot trains with, not the state's map).
@@ -90,7 +91,7 @@ def pi_aloha(x: torch.Tensor, *, direction: str) -> torch.Tensor:
     gripper = _GRIPPER_MAPS[direction]
     x = x.clone()
     x[..., list(_FLIPPED)] *= -1
-    for g in _GRIPPERS:
+    for g in ALOHA_GRIPPERS:
         x[..., g] = gripper(x[..., g])
     return x
 

@@ -13,10 +13,9 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.robot.config import ALOHA_GRIPPERS
 from vla_accel_ros.sim.aloha import DT, EPISODE_STEPS, AlohaSim, EpisodeResult, SimConfig, SimError
 from vla_accel_ros.sim.scripted import ScriptedExpert
-
-GRIPPERS = (6, 13)  # the two gripper columns of an action
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class ActionNoise(Config):
         """[steps, 14] the command offsets of one draw (a function of seed and attempt)."""
         rng = np.random.default_rng([seed, attempt])
         held = rng.normal(0.0, self.std, size=(-(-steps // self.hold), 14))
-        held[:, GRIPPERS] = 0.0
+        held[:, ALOHA_GRIPPERS] = 0.0
         return np.repeat(held, self.hold, axis=0)[:steps]
 
 
@@ -100,7 +99,7 @@ def scripted_episode_frames(
     def cams_at(t: int) -> Sequence[str] | None:
         return cameras if t < steps and (t - phase) % render_every == 0 else ()
 
-    offsets = _completed_draw(sim.config.task, seed, steps, noise) if noise is not None and noise.std > 0 else None
+    offsets = _completed_draw(sim, seed, steps, noise) if noise is not None and noise.std > 0 else None
     obs = sim.reset(seed, cameras=cams_at(0))
     expert = ScriptedExpert(sim.config.task, sim.seed, sim.object_qpos)
     for t in range(steps):
@@ -123,14 +122,14 @@ def scripted_episode_frames(
         obs = nxt
 
 
-def _completed_draw(task: str, seed: int, steps: int, noise: ActionNoise) -> np.ndarray | None:
-    """The first of ``noise.attempts`` draws whose episode the expert completes, played without
-    rendering; None when none does (or the physics diverges under each)."""
-    sim = AlohaSim(SimConfig(task=task, cameras=()))
+def _completed_draw(sim: AlohaSim, seed: int, steps: int, noise: ActionNoise) -> np.ndarray | None:
+    """The first of ``noise.attempts`` draws whose episode the expert completes, played on
+    ``sim`` without rendering (the caller resets it after); None when none does (or the physics
+    diverges under each)."""
     for attempt in range(noise.attempts):
         offsets = noise.offsets(seed, attempt, steps)
         sim.reset(seed, cameras=())
-        expert = ScriptedExpert(task, sim.seed, sim.object_qpos)
+        expert = ScriptedExpert(sim.config.task, sim.seed, sim.object_qpos)
         try:
             for t in range(steps):
                 sim.step(expert.act(t, sim.object_qpos) + offsets[t], cameras=())

@@ -22,6 +22,7 @@ from vla_accel_ros.core.scheduling.config import SchedulerConfig
 ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate")
 ALOHA_ARMS = ("left", "right")
 ALOHA_JOINT_NAMES = tuple(f"{a}_{j}" for a in ALOHA_ARMS for j in (*ARM_JOINTS, "gripper"))
+ALOHA_GRIPPERS = tuple(i for i, n in enumerate(ALOHA_JOINT_NAMES) if n.endswith("_gripper"))  # (6, 13)
 ALOHA_CAMERAS = ("cam_high", "cam_low", "cam_left_wrist", "cam_right_wrist")
 ALOHA_START_ARM = (0.0, -0.96, 1.16, 0.0, -0.3, 0.0)  # one arm's start pose, ARM_JOINTS order (rad)
 

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (many cores, no network, a deadline): the closed loop of several
+# bundles on the same seeds, every core busy, and one small archive of the reports back. Run from
+# the repository root, after scripts/gpu_record_train.sh on the same (warm) machine:
+#
+#   BUNDLES="bundles/transfer_cube-smolvla gpu_work/run gpu_work/run/steps/*" CARRY=.gpucarry OUTDIR=$OUT \
+#     scripts/gpu_eval.sh
+#
+# Why: here (2 cores) 100 episodes of one bundle take ~30 minutes, so a session judges two or three
+# bundles; there, 15 processes judge the final bundle and its kept steps against the bundle they
+# started from in minutes (one run's score swings ~9 points between steps 32 apart, and neither
+# the validation loss nor the last step says which acts best). Every (bundle, slice of seeds) is
+# one `vla-accel eval` process under `timeout`; the first bundle is the reference of the paired
+# table (`vla-accel bench outcomes`) written to summary.txt. Back: evals.tar.gz (each slice's
+# report.json and report.md), run_eval.log, summary.txt. Unpack with
+#   mkdir -p evals && tar -xzf OUTDIR/evals.tar.gz -C evals
+# and compare with `vla-accel bench outcomes` as summary.txt shows. The machine differs from the
+# CPU here (other floating-point sums, so other episodes): compare bundles evaluated on one machine.
+set -u
+T0=$SECONDS
+BUNDLES=${BUNDLES:-bundles/transfer_cube-smolvla}  # space-separated; the first is the reference
+DEADLINE_S=${DEADLINE_S:-250}          # no slice is started after DEADLINE_S - SLICE_S; each runs under a timeout to DEADLINE_S
+SLICE_S=${SLICE_S:-120}                # the longest a slice may need (its timeout when started later)
+PROCS=${PROCS:-$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))}
+SEED=${SEED:-95000}                    # seed of episode 0: not the seeds trained on, nor 100000.. (this CPU's test seeds)
+EPISODES=${EPISODES:-50}               # per bundle
+SLICE=${SLICE:-5}                      # episodes per process
+STEPS=${STEPS:-0}                      # control steps per episode (0: the task's)
+EVAL_ARGS=${EVAL_ARGS:---noise-scale 0 --modes baseline --threads 1 --open-loop-episodes 0}
+
+LOG_NAME=run_eval.log
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"
+
+EVALS=$WORKDIR/evals
+rm -rf "$EVALS" && mkdir -p "$EVALS"
+names=()
+jobs_file=$WORKDIR/eval_jobs
+: > "$jobs_file"
+for b in $BUNDLES; do
+  if [ ! -f "$b/config.json" ]; then
+    say "FAILED: BUNDLES names $b, which is not a bundle (no config.json)"
+    echo "failed: no bundle $b" >> "$SUMMARY"
+    exit 1
+  fi
+  name=$(echo "$b" | sed 's#/*$##; s#^\./##; s#[^A-Za-z0-9._-]#_#g')
+  names+=("$name")
+  for (( s = 0; s < EPISODES; s += SLICE )); do
+    echo "$b $name $(( SEED + s )) $(( EPISODES - s < SLICE ? EPISODES - s : SLICE ))" >> "$jobs_file"
+  done
+done
+END=$(( T0 + DEADLINE_S ))
+run_slice() {  # BUNDLE NAME SEED N: one process, its report in EVALS/NAME/SEED; none started too late to end
+  local left=$(( END - SECONDS ))
+  [ "$left" -ge "$SLICE_S" ] || { echo "not started (deadline): $2 seed $3" >> "$LOG"; return 0; }
+  # shellcheck disable=SC2086  # EVAL_ARGS is a list of flags
+  timeout -k 10 "$left" "${VLA[@]}" eval --bundle "$1" --episodes "$4" --seed "$3" "${STEP_ARGS[@]}" $EVAL_ARGS \
+    --no-plots --no-progress --report "$EVALS/$2/$3" >> "$LOG" 2>&1 || echo "failed or cut: $2 seed $3" >> "$LOG"
+}
+say "$(wc -l < "$jobs_file") slices of <= $SLICE episodes (${#names[@]} bundles x $EPISODES, seeds $SEED..) on $PROCS processes"
+# Slices in the order bundle 1 slice 1, bundle 2 slice 1, ...: cut by the deadline, every bundle
+# keeps the same seeds.
+order=$WORKDIR/eval_order
+awk -v n="${#names[@]}" '{ k[NR] = $0 } END { per = NR / n; for (s = 1; s <= per; s++) for (b = 0; b < n; b++) print k[b * per + s] }' \
+  "$jobs_file" > "$order"
+SECONDS_START=$SECONDS
+while read -r b name seed n; do
+  while [ "$(jobs -rp | wc -l)" -ge "$PROCS" ]; do wait -n; done
+  run_slice "$b" "$name" "$seed" "$n" &
+done < "$order"
+wait
+say "slices done in $(( SECONDS - SECONDS_START )) s"
+
+# -- the paired table and the archive -------------------------------------------------------------------
+reports=()
+for name in "${names[@]}"; do
+  parts=$(ls -d "$EVALS/$name"/*/report.json 2>/dev/null | sort -V | xargs -r -n1 dirname | paste -sd, -)
+  [ -n "$parts" ] && reports+=("$parts")
+  echo "$name: $(echo "$parts" | tr ',' '\n' | grep -c .) slices" >> "$SUMMARY"
+done
+if [ ${#reports[@]} -eq 0 ]; then
+  say "FAILED: no slice wrote a report (the log's end:)"
+  tail -n 20 "$LOG"
+  echo "failed: no report" >> "$SUMMARY"
+  exit 1
+fi
+"${VLA[@]}" bench outcomes "${reports[@]}" >> "$SUMMARY" 2>&1
+tar -C "$EVALS" -czf "$OUTDIR/evals.tar.gz" --exclude='*.png' --exclude=lerobot .
+say "done; $(ls "$OUTDIR" | tr '\n' ' ')"
+cat "$SUMMARY"
