@@ -34,19 +34,24 @@ LOG_NAME=run_eval.log
 
 EVALS=$WORKDIR/evals
 rm -rf "$EVALS" && mkdir -p "$EVALS"
+bundles=()
 names=()
-jobs_file=$WORKDIR/eval_jobs
-: > "$jobs_file"
 for b in $BUNDLES; do
   if [ ! -f "$b/config.json" ]; then
     say "FAILED: BUNDLES names $b, which is not a bundle (no config.json)"
     echo "failed: no bundle $b" >> "$SUMMARY"
     exit 1
   fi
-  name=$(echo "$b" | sed 's#/*$##; s#^\./##; s#[^A-Za-z0-9._-]#_#g')
-  names+=("$name")
-  for (( s = 0; s < EPISODES; s += SLICE )); do
-    echo "$b $name $(( SEED + s )) $(( EPISODES - s < SLICE ? EPISODES - s : SLICE ))" >> "$jobs_file"
+  bundles+=("$b")
+  names+=("$(echo "$b" | sed 's#/*$##; s#^\./##; s#[^A-Za-z0-9._-]#_#g')")
+done
+# Slices in the order bundle 1 slice 1, bundle 2 slice 1, ...: cut by the deadline, every bundle
+# keeps the same seeds.
+order=$WORKDIR/eval_order
+: > "$order"
+for (( s = 0; s < EPISODES; s += SLICE )); do
+  for i in "${!bundles[@]}"; do
+    echo "${bundles[$i]} ${names[$i]} $(( SEED + s )) $(( EPISODES - s < SLICE ? EPISODES - s : SLICE ))" >> "$order"
   done
 done
 END=$(( T0 + DEADLINE_S ))
@@ -57,12 +62,7 @@ run_slice() {  # BUNDLE NAME SEED N: one process, its report in EVALS/NAME/SEED;
   timeout -k 10 "$left" "${VLA[@]}" eval --bundle "$1" --episodes "$4" --seed "$3" "${STEP_ARGS[@]}" $EVAL_ARGS \
     --no-plots --no-progress --report "$EVALS/$2/$3" >> "$LOG" 2>&1 || echo "failed or cut: $2 seed $3" >> "$LOG"
 }
-say "$(wc -l < "$jobs_file") slices of <= $SLICE episodes (${#names[@]} bundles x $EPISODES, seeds $SEED..) on $PROCS processes"
-# Slices in the order bundle 1 slice 1, bundle 2 slice 1, ...: cut by the deadline, every bundle
-# keeps the same seeds.
-order=$WORKDIR/eval_order
-awk -v n="${#names[@]}" '{ k[NR] = $0 } END { per = NR / n; for (s = 1; s <= per; s++) for (b = 0; b < n; b++) print k[b * per + s] }' \
-  "$jobs_file" > "$order"
+say "$(wc -l < "$order") slices of <= $SLICE episodes (${#names[@]} bundles x $EPISODES, seeds $SEED..) on $PROCS processes"
 SECONDS_START=$SECONDS
 while read -r b name seed n; do
   while [ "$(jobs -rp | wc -l)" -ge "$PROCS" ]; do wait -n; done
