@@ -93,6 +93,20 @@ class CameraRig(Node):
     def _publish_joints(self) -> None:
         helpers.publish_joint_states(self, self._js)
 
+    def silence(self, camera: str) -> int:
+        """``camera`` sends nothing from now on; returns the clock's time: every frame stamped
+        since is missing it, so no observation may carry a stamp at or after it."""
+        with self.lock:
+            self.silent.add(camera)
+        return self.get_clock().now().nanoseconds
+
+    def since(self, stamp_ns: int, n_chunks: int = 0) -> tuple[list[int], list[int]]:
+        """Announced observation stamps, and the stamps of chunks from index ``n_chunks``, at or after ``stamp_ns``."""
+        with self.lock:
+            stamps = [s for s in self.stamps if s >= stamp_ns]
+            chunks = [stamp_to_ns(c.header.stamp) for _, c in self.chunks[n_chunks:]]
+        return stamps, [s for s in chunks if s >= stamp_ns]
+
     def freeze(self, camera: str) -> int:
         """``camera`` re-sends its next frame, with that frame's stamp, from now on; returns the stamp."""
         h, w, step, data = encode_raw(self._frames[camera][0], "rgb8")

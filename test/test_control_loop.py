@@ -84,13 +84,31 @@ def test_stale_chunks_are_dropped_or_executed_late_on_request():
     for mode, expect in (("drop", None), ("execute_last", 0.02)):
         loop = ControlLoop(ControllerConfig(safety=SafetyConfig(start_enabled=True), stale_chunks=mode))
         loop.tick(T0, measured=POSE)
-        loop.tick(T0 + 2 * DT, measured=POSE, chunks=[_chunk(T0 + DT // 2, 0.02, rows=1)])  # all past
+        arrived = loop.tick(T0 + 2 * DT, measured=POSE, chunks=[_chunk(T0 + DT // 2, 0.02, rows=1)])  # all past
         out = loop.tick(T0 + 3 * DT, measured=POSE)
         if expect is None:
             assert out.command is None and loop.late_actions == 0
+            assert [d[0] for d in arrived.drops] == ["stale_chunk"]
+            assert loop.watchdog.since_chunk_ns(T0 + 3 * DT) == DT  # armed on arrival: the policy started
         else:
             np.testing.assert_allclose(out.command, POSE + expect, atol=1e-6)
             assert loop.late_actions == 1
+
+
+def test_a_chunk_all_past_leaves_the_watchdog_holding():
+    """The policy stalled past the watchdog, then answered later than its whole chunk: nothing of
+    that chunk runs, so the arm still holds and the watchdog says so; the next chunk with an
+    action to come re-arms it."""
+    loop = _loop(watchdog_periods=5)
+    loop.tick(T0, measured=POSE, chunks=[_chunk(T0, rows=3)])
+    for k in range(1, 8):
+        loop.tick(T0 + k * DT, measured=POSE)
+    assert loop.watchdog.tripped
+    out = loop.tick(T0 + 8 * DT, measured=POSE, chunks=[_chunk(T0 + 2 * DT, 0.01, rows=5)])  # slots 2..6: all past
+    assert loop.watchdog.tripped and [d[0] for d in out.drops] == ["stale_chunk"], out.drops
+    assert np.allclose(loop.tick(T0 + 9 * DT, measured=POSE).command, POSE)  # holding
+    loop.tick(T0 + 10 * DT, measured=POSE, chunks=[_chunk(T0 + 9 * DT, 0.01, rows=5)])  # slots 11..13 to come
+    assert not loop.watchdog.tripped and loop.chunks_in == 3
 
 
 def test_a_late_action_waits_for_the_next_tick_however_late_it_comes():

@@ -20,6 +20,7 @@ PART_LIMIT = 16 * 2**20  # what one returned file may hold
 FILE_LIMIT = 8  # how many files may come back
 
 
+@pytest.mark.slow  # two minutes: run it (pytest -m slow test/test_gpu_scripts.py) before a device call
 def test_the_gpu_script_records_trains_from_the_shipped_bundle_and_packs_what_comes_back(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     env = {

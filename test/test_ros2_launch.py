@@ -27,7 +27,9 @@ RECORDER = "vla_recorder"
 HAS_ROS2_BAG = importlib.util.find_spec("ros2bag") is not None
 
 
-@pytest.fixture(scope="module", params=["", "r1"], ids=["root", "namespace_r1"])
+# The namespaced launch (about 100 s) runs with `make test-slow`; test_ros_robots.py runs two
+# namespaced robots on one network in the default suite.
+@pytest.fixture(scope="module", params=["", pytest.param("r1", marks=pytest.mark.slow)], ids=["root", "namespace_r1"])
 def graph(request, colcon_install, tiny_bundles, tmp_path_factory):
     """The launched graph: tiny flow bundle, synthetic camera + arm, recording, the shipped
     parameter file, in namespace ``request.param``; stopped by the last test, or here."""

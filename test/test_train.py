@@ -101,7 +101,7 @@ def test_stats_come_from_training_episodes_only(episodes):
         split_episodes(episodes, EPISODES)
 
 
-@pytest.mark.parametrize("family", ["flow", "ar"])
+@pytest.mark.parametrize("family", ["flow", pytest.param("ar", marks=pytest.mark.slow)])  # ar: 23 s, make test-slow
 def test_loss_decreases(family, episodes, tmp_path):
     cfg = TrainConfig(family=family, size="tiny", chunk_size=4, epochs=1, batch_size=8, val_episodes=0, shift=0)
     trainer = Trainer(cfg, episodes, tmp_path)

@@ -386,7 +386,8 @@ class ControllerConfig(Config):
     stale_chunks: str = param(
         "drop",
         doc="a chunk whose every action is already past (e.g. a 1-action chunk from an autoregressive policy "
-        "slower than one period) while nothing is planned: drop it (honest timing; the arm holds) or "
+        "slower than one period) while nothing is planned: drop it (honest timing; the arm holds, counted as "
+        "stale_chunk; it does not refresh the watchdog) or "
         "execute_last (command its last action at the next tick, late; counted in /diagnostics)",
         choices=("drop", "execute_last"),
     )

@@ -14,8 +14,9 @@ Every :meth:`ControlLoop.tick`:
    asks for a new chunk at once;
 5. the chunks that arrived are merged (after the step, so the scheduler's grid is anchored on
    the ticks); a chunk that is all past executes its last action late only with
-   ``stale_chunks: execute_last``; a chunk stamped more than ``max_future_ms`` ahead of the
-   clock is dropped (it would plan the arm's motion from then on and stop all requests);
+   ``stale_chunks: execute_last`` (otherwise it is dropped and does not refresh the watchdog);
+   a chunk stamped more than ``max_future_ms`` ahead of the clock is dropped (it would plan
+   the arm's motion from then on and stop all requests);
 6. when the scheduler wants a chunk and the policy announced an observation not asked for
    yet: an inference request for it (with Real-Time Chunking guidance when ``scheduler.rtc``);
    an observation stamped in the future the same way is never asked for, nor one older than
@@ -216,7 +217,7 @@ class ControlLoop:
                 raise SchedulerError(f"chunk {chunk.chunk_id} has {shape[1]} action dims, the robot {cfg.robot.dim}")
             # Merged after this tick's step, its actions apply from the next tick: that is when it
             # counts as arrived, so the latency (RTC's d) covers every action the old plan ran.
-            self.scheduler.add_chunk(chunk, now_ns + int(cfg.scheduler.dt * 1e9))
+            stale = self.scheduler.add_chunk(chunk, now_ns + int(cfg.scheduler.dt * 1e9))
             # Nothing planned even after this chunk: all of it was in the past (a 1-action chunk
             # stamped between two ticks covers no tick at all). Opt-in late execution: its last
             # action goes to the next tick, placed when that tick comes (a timer running late,
@@ -227,7 +228,13 @@ class ControlLoop:
             return
         self.chunks_in += 1
         self.got_chunk = True
-        self.watchdog.chunk(now_ns)
+        if stale < self.scheduler.span or self._late is not None:
+            self.watchdog.chunk(now_ns)
+        else:  # the policy answered, later than its whole chunk: nothing of it runs, so the
+            # watchdog is armed (the policy started) but not refreshed or released: it would say
+            # the arm follows the policy while it holds
+            self.watchdog.arm(now_ns)
+            out.drops.append(("stale_chunk", f"chunk {chunk.chunk_id}: all of its {stale} control slots are past; none runs"))
 
     def _place_late(self, now_ns: int) -> None:
         """Plan the late action (``stale_chunks: execute_last``) for the tick at ``now_ns``

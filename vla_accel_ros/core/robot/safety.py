@@ -114,7 +114,8 @@ class SafetyFilter:
 
 
 class Watchdog:
-    """Trips when ``timeout_ns`` of (ROS) time pass without a fresh chunk; re-arms on the next.
+    """Trips when ``timeout_ns`` of (ROS) time pass without a fresh chunk (one with an action
+    still to come); re-arms on the next.
     Time, not ticks: a loop that runs below its rate must not hold late. Not armed before the
     first chunk (waiting for the policy to start is not a failure)."""
 
@@ -127,6 +128,12 @@ class Watchdog:
     def chunk(self, now_ns: int) -> None:
         self._last_ns = int(now_ns)
         self.tripped = False
+
+    def arm(self, now_ns: int) -> None:
+        """The policy answered, but nothing of its answer runs (a chunk all in the past): arm the
+        watchdog if no chunk did yet, without refreshing or releasing it."""
+        if self._last_ns is None:
+            self._last_ns = int(now_ns)
 
     def since_chunk_ns(self, now_ns: int) -> int | None:
         return None if self._last_ns is None else int(now_ns) - self._last_ns

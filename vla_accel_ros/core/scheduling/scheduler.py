@@ -86,6 +86,11 @@ class ChunkScheduler:
         return self._q.pending
 
     @property
+    def span(self) -> int:
+        """Control slots the latest chunk covers (:meth:`add_chunk` returns how many were past)."""
+        return self._span
+
+    @property
     def in_flight(self) -> InferenceRequest | None:
         return self._request
 
