@@ -66,9 +66,14 @@ def _recovered(running, rig: CameraRig, since: float) -> None:
     made after the recovery arrives and the controller no longer holds."""
     ctl = running.nodes[CONTROLLER]
     resumed_ns = rig.get_clock().now().nanoseconds
+    past0 = ctl.drops.snapshot().get("stale_chunk", 0)
     wait_for(lambda: [lvl for lvl, _, _ in rig.diagnostics_of(CAMERA_STATUS, since)][-1:] == ["OK"], what="camera status OK")
     wait_for(lambda: _fresh_chunk_after(rig, resumed_ns), what="a chunk from a fresh observation")
-    wait_for(lambda: not ctl.control.watchdog.tripped, what="the controller to leave its hold")
+    # The hold ends with the first chunk that has an action to come. On a machine too loaded to
+    # infer within the chunk's span (1 s; seen in full-suite runs) every chunk lands past: the
+    # controller is right to keep holding then, and counts each such chunk (stale_chunk).
+    wait_for(lambda: not ctl.control.watchdog.tripped or ctl.drops.snapshot().get("stale_chunk", 0) > past0,
+             what="the controller to leave its hold, or to count the chunks that came too late to run")  # fmt: skip
 
 
 def test_two_cameras_at_30_hz_make_one_observation_per_set_of_frames(rig_graph):
