@@ -26,7 +26,9 @@ SEED=${SEED:-95000}                    # seed of episode 0: not the seeds traine
 EPISODES=${EPISODES:-50}               # per bundle
 SLICE=${SLICE:-5}                      # episodes per process
 STEPS=${STEPS:-0}                      # control steps per episode (0: the task's)
-EVAL_ARGS=${EVAL_ARGS:---noise-scale 0 --modes baseline --threads 1 --open-loop-episodes 0}
+# --flow-steps 20: the shipped bundle's count; `vla-accel train` writes 10 into what it trains, and
+# a run must be judged against its start at the same integration.
+EVAL_ARGS=${EVAL_ARGS:---noise-scale 0 --flow-steps 20 --modes baseline --threads 1 --open-loop-episodes 0}
 
 LOG_NAME=run_eval.log
 # shellcheck source=scripts/gpu_env.sh

@@ -193,7 +193,7 @@ def test_parity_gate_reports_numbers_and_catches_a_wrong_kernel(tiny_bundles):
 
 def test_bundle_average_weighs_every_tensor_and_statistic_and_refuses_what_does_not_average(tiny_bundles, tmp_path):
     """``vla-accel bundle average``: each weight and normalization statistic is the weighted sum
-    of the bundles'; the name and noise scale are the first bundle's; averaging a bundle with
+    of the bundles'; the name, noise scale and step count are the first bundle's; averaging a bundle with
     itself gives its policy back; bundles of another architecture, bad weights and an existing
     --out are refused with the reason."""
     import numpy as np
@@ -208,7 +208,7 @@ def test_bundle_average_weighs_every_tensor_and_statistic_and_refuses_what_does_
     stats = json.loads((a / CONFIG_FILE).read_text())["norm_stats"]
     shifted = {k: {s: (np.asarray(v) + 1.0).tolist() for s, v in d.items()} for k, d in stats.items()}
     b = create_demo_bundle("flow", "tiny", tmp_path / "b0", seed=1)
-    b = _edit_config(b, tmp_path / "b", norm_stats=shifted, name="other", noise_scale=0.5)
+    b = _edit_config(b, tmp_path / "b", norm_stats=shifted, name="other", noise_scale=0.5, num_steps=7)
     out = tmp_path / "avg"
     assert main(["bundle", "average", "--bundle", str(a), "--bundle", str(b), "--weights", "0.25,0.75", "--out", str(out)]) == 0
     wa, wb, avg = (load_bundle(p).state_dict for p in (a, b, out))
@@ -216,7 +216,7 @@ def test_bundle_average_weighs_every_tensor_and_statistic_and_refuses_what_does_
     for k in wa:
         assert torch.allclose(avg[k].float(), 0.25 * wa[k].float() + 0.75 * wb[k].float(), atol=1e-6), k
     spec, first = read_spec(out), read_spec(a)
-    assert spec.name == first.name and spec.noise_scale == first.noise_scale
+    assert spec.name == first.name and spec.noise_scale == first.noise_scale and spec.num_steps == first.num_steps != 7
     assert np.allclose(spec.norm_stats["action"]["mean"], np.asarray(stats["action"]["mean"]) + 0.75)
     average_bundles([a, a], tmp_path / "same")
     obs = fixed_observation(first, 0)

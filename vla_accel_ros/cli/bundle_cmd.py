@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         bsub, "average", "write the weighted average of bundles of one architecture (a model soup)",
         "vla-accel bundle average --bundle bundles/transfer_cube-smolvla --bundle runs/F2 --weights 0.5,0.5 --out CF2",
         details="Averages every weight (in float32, saved in the first bundle's dtype) and the normalization statistics "
-        "with the same weights; the name and noise_scale are the first bundle's, every other config field must match. "
+        "with the same weights; the name, noise_scale and num_steps are the first bundle's, every other config field must match. "
         "Meant for runs that start from one bundle (a policy and one trained on from it): their average can keep what "
         "each does well. Judge the result in the closed loop (vla-accel eval) like any other policy.",
     )  # fmt: skip

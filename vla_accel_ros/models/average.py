@@ -24,8 +24,10 @@ from vla_accel_ros.core.errors import BundleError, ConfigError
 from vla_accel_ros.models.factory import check_weights, load_bundle
 
 # What the average takes from the first bundle instead of requiring it equal: its name and how it
-# runs (the noise it samples at), not what it is. Everything else in config.json must match.
-FIRST_BUNDLE_FIELDS = ("name", "noise_scale")
+# runs (the noise it samples at, the Euler steps it integrates in: a shipped bundle may run other
+# settings than `vla-accel train` writes into a run trained on from it), not what it is. Everything
+# else in config.json must match.
+FIRST_BUNDLE_FIELDS = ("name", "noise_scale", "num_steps")
 
 
 def average_bundles(paths: list[str | Path], out: str | Path, weights: list[float] | None = None) -> Path:
