@@ -26,9 +26,7 @@ SEED=${SEED:-95000}                    # seed of episode 0: not the seeds traine
 EPISODES=${EPISODES:-50}               # per bundle
 SLICE=${SLICE:-5}                      # episodes per process
 STEPS=${STEPS:-0}                      # control steps per episode (0: the task's)
-# --flow-steps 20: the shipped bundle's count; `vla-accel train` writes 10 into what it trains, and
-# a run must be judged against its start at the same integration.
-EVAL_ARGS=${EVAL_ARGS:---noise-scale 0 --flow-steps 20 --modes baseline --threads 1 --open-loop-episodes 0}
+EVAL_ARGS=${EVAL_ARGS:---noise-scale 0 --modes baseline --threads 1 --open-loop-episodes 0}
 
 LOG_NAME=run_eval.log
 # shellcheck source=scripts/gpu_env.sh
@@ -47,6 +45,11 @@ for b in $BUNDLES; do
   bundles+=("$b")
   names+=("$(echo "$b" | sed 's#/*$##; s#^\./##; s#[^A-Za-z0-9._-]#_#g')")
 done
+# Every bundle integrates in the reference's step count: `vla-accel train` writes 10 into what it
+# trains whatever its start runs (the shipped SmolVLA bundle: 20), and a run is judged against its
+# start at the same integration.
+FLOW_STEPS=$("$PY" -c 'import sys; from vla_accel_ros.core.bundle import read_spec; print(read_spec(sys.argv[1]).num_steps)' "${bundles[0]}")
+EVAL_ARGS="--flow-steps $FLOW_STEPS $EVAL_ARGS"
 # Slices in the order bundle 1 slice 1, bundle 2 slice 1, ...: cut by the deadline, every bundle
 # keeps the same seeds.
 order=$WORKDIR/eval_order
