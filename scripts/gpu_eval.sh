@@ -9,9 +9,9 @@
 # Why: here (2 cores) 100 episodes of one bundle take ~30 minutes, so a session judges two or three
 # bundles; there, 15 processes judge the final bundle and its kept steps against the bundle they
 # started from in minutes (one run's score swings ~9 points between steps 32 apart, and neither
-# the validation loss nor the last step says which acts best). Every (bundle, slice of seeds) is
-# one `vla-accel eval` process under `timeout`; the first bundle is the reference of the paired
-# table (`vla-accel bench outcomes`) written to summary.txt. Back: evals.tar.gz (each slice's
+# the validation loss nor the last step says which acts best). Every (bundle, noise scale, slice of
+# seeds) is one `vla-accel eval` process under `timeout`; the first bundle at the first noise scale
+# is the reference of the paired table (`vla-accel bench outcomes`) written to summary.txt. Back: evals.tar.gz (each slice's
 # report.json and report.md), run_eval.log, summary.txt. Unpack with
 #   mkdir -p evals && tar -xzf OUTDIR/evals.tar.gz -C evals
 # and compare with `vla-accel bench outcomes` as summary.txt shows. The machine differs from the
@@ -26,7 +26,11 @@ SEED=${SEED:-95000}                    # seed of episode 0: not the seeds traine
 EPISODES=${EPISODES:-50}               # per bundle
 SLICE=${SLICE:-5}                      # episodes per process
 STEPS=${STEPS:-0}                      # control steps per episode (0: the task's)
-EVAL_ARGS=${EVAL_ARGS:---noise-scale 0 --modes baseline --threads 1 --open-loop-episodes 0}
+# Each bundle at each of these noise scales: 0 is what the SmolVLA bundle ships (deterministic chunks),
+# 1 the distribution training moves. A run can keep its start at 1 and lose it at 0 (run K,
+# docs/policy-experiments.md), so a run is judged at both.
+NOISE_SCALES=${NOISE_SCALES:-0 1}
+EVAL_ARGS=${EVAL_ARGS:---modes baseline --threads 1 --open-loop-episodes 0}
 
 LOG_NAME=run_eval.log
 # shellcheck source=scripts/gpu_env.sh
@@ -36,42 +40,46 @@ EVALS=$WORKDIR/evals
 rm -rf "$EVALS" && mkdir -p "$EVALS"
 bundles=()
 names=()
+noises=()
 for b in $BUNDLES; do
   if [ ! -f "$b/config.json" ]; then
     say "FAILED: BUNDLES names $b, which is not a bundle (no config.json)"
     echo "failed: no bundle $b" >> "$SUMMARY"
     exit 1
   fi
-  bundles+=("$b")
-  names+=("$(echo "$b" | sed 's#/*$##; s#^\./##; s#[^A-Za-z0-9._-]#_#g')")
+  for noise in $NOISE_SCALES; do  # one evaluation per (bundle, noise scale), named BUNDLE_nNOISE
+    bundles+=("$b")
+    names+=("$(echo "$b" | sed 's#/*$##; s#^\./##; s#[^A-Za-z0-9._-]#_#g')_n$noise")
+    noises+=("$noise")
+  done
 done
 # Every bundle integrates in the reference's step count: `vla-accel train` writes 10 into what it
 # trains whatever its start runs (the shipped SmolVLA bundle: 20), and a run is judged against its
 # start at the same integration.
 FLOW_STEPS=$("$PY" -c 'import sys; from vla_accel_ros.core.bundle import read_spec; print(read_spec(sys.argv[1]).num_steps)' "${bundles[0]}")
 EVAL_ARGS="--flow-steps $FLOW_STEPS $EVAL_ARGS"
-# Slices in the order bundle 1 slice 1, bundle 2 slice 1, ...: cut by the deadline, every bundle
-# keeps the same seeds.
+# Slices in the order bundle 1 slice 1, bundle 2 slice 1, ... (each bundle at each noise scale):
+# cut by the deadline, every evaluation keeps the same seeds.
 order=$WORKDIR/eval_order
 : > "$order"
 for (( s = 0; s < EPISODES; s += SLICE )); do
   for i in "${!bundles[@]}"; do
-    echo "${bundles[$i]} ${names[$i]} $(( SEED + s )) $(( EPISODES - s < SLICE ? EPISODES - s : SLICE ))" >> "$order"
+    echo "${bundles[$i]} ${names[$i]} ${noises[$i]} $(( SEED + s )) $(( EPISODES - s < SLICE ? EPISODES - s : SLICE ))" >> "$order"
   done
 done
 END=$(( T0 + DEADLINE_S ))
-run_slice() {  # BUNDLE NAME SEED N: one process, its report in EVALS/NAME/SEED; none started too late to end
+run_slice() {  # BUNDLE NAME NOISE SEED N: one process, its report in EVALS/NAME/SEED; none started too late to end
   local left=$(( END - SECONDS ))
-  [ "$left" -ge "$SLICE_S" ] || { echo "not started (deadline): $2 seed $3" >> "$LOG"; return 0; }
+  [ "$left" -ge "$SLICE_S" ] || { echo "not started (deadline): $2 seed $4" >> "$LOG"; return 0; }
   # shellcheck disable=SC2086  # EVAL_ARGS is a list of flags
-  timeout -k 10 "$left" "${VLA[@]}" eval --bundle "$1" --episodes "$4" --seed "$3" "${STEP_ARGS[@]}" $EVAL_ARGS \
-    --no-plots --no-progress --report "$EVALS/$2/$3" >> "$LOG" 2>&1 || echo "failed or cut: $2 seed $3" >> "$LOG"
+  timeout -k 10 "$left" "${VLA[@]}" eval --bundle "$1" --episodes "$5" --seed "$4" "${STEP_ARGS[@]}" $EVAL_ARGS \
+    --noise-scale "$3" --no-plots --no-progress --report "$EVALS/$2/$4" >> "$LOG" 2>&1 || echo "failed or cut: $2 seed $4" >> "$LOG"
 }
-say "$(wc -l < "$order") slices of <= $SLICE episodes (${#names[@]} bundles x $EPISODES, seeds $SEED..) on $PROCS processes"
+say "$(wc -l < "$order") slices of <= $SLICE episodes (${#names[@]} bundles x noise scales, $EPISODES each, seeds $SEED..) on $PROCS processes"
 SECONDS_START=$SECONDS
-while read -r b name seed n; do
+while read -r b name noise seed n; do
   while [ "$(jobs -rp | wc -l)" -ge "$PROCS" ]; do wait -n; done
-  run_slice "$b" "$name" "$seed" "$n" &
+  run_slice "$b" "$name" "$noise" "$seed" "$n" &
 done < "$order"
 wait
 say "slices done in $(( SECONDS - SECONDS_START )) s"
@@ -80,7 +88,7 @@ say "slices done in $(( SECONDS - SECONDS_START )) s"
 reports=()
 for name in "${names[@]}"; do
   parts=$(ls -d "$EVALS/$name"/*/report.json 2>/dev/null | sort -V | xargs -r -n1 dirname | paste -sd, -)
-  [ -n "$parts" ] && reports+=("$parts")
+  [ -n "$parts" ] && reports+=("$name=$parts")
   echo "$name: $(echo "$parts" | tr ',' '\n' | grep -c .) slices" >> "$SUMMARY"
 done
 if [ ${#reports[@]} -eq 0 ]; then

@@ -121,6 +121,12 @@ def test_bench_outcomes_joins_halves_and_pairs_other_evaluations(tmp_path, capsy
         assert message in capsys.readouterr().err, argv
     same = f"{report('s_a', [4], 100, policy={'flow_noise_scale': 1.0})},{report('s_b', [0], 103, policy={})}"
     assert main(["bench", "outcomes", same]) == 0
+    # NAME= names an evaluation in the tables (a GPU call's summary pairs four bundles of ten parts each)
+    assert main(["bench", "outcomes", f"start={ref}", f"run={other}", "--json", str(out)]) == 0
+    assert "against start:baseline" in capsys.readouterr().out
+    assert json.loads(out.read_text())["mode_order"] == ["start:baseline", "start:lerobot", "run:baseline"]
+    assert main(["bench", "outcomes", f"x={ref}", f"x={other}"]) == 2
+    assert "the name 'x' is given twice" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", ["flow", "ar"])

@@ -5,6 +5,7 @@ scripts/gpu_eval.sh, the closed loop of several bundles on that machine's cores.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -97,8 +98,9 @@ def test_what_the_carry_script_pins_is_pinned_in_the_requirements(name):
 
 
 def test_the_gpu_eval_script_judges_bundles_on_the_same_seeds_and_packs_the_reports(tmp_path):
-    """Two bundles x two one-episode slices on two processes: every slice's report comes back in
-    one archive, and the paired table (the first bundle the reference) is in the summary."""
+    """Two bundles x two noise scales x two one-episode slices on two processes: every slice's
+    report comes back in one archive, and the paired table (the first bundle at the first noise
+    scale the reference) is in the summary."""
     other = tmp_path / "other"
     shutil.copytree(ROOT / "bundles" / "transfer_cube-smolvla", other)
     out, work = tmp_path / "out", tmp_path / "work"
@@ -113,10 +115,15 @@ def test_the_gpu_eval_script_judges_bundles_on_the_same_seeds_and_packs_the_repo
     with tarfile.open(out / "evals.tar.gz") as tar:
         names = sorted(n for n in tar.getnames() if n.endswith("report.json"))
     other_name = re.sub(r"[^A-Za-z0-9._-]", "_", str(other))
-    assert names == sorted(f"./{b}/{s}/report.json" for b in ("bundles_transfer_cube-smolvla", other_name) for s in (95000, 95001))
+    evaluations = [f"{b}_n{n}" for b in ("bundles_transfer_cube-smolvla", other_name) for n in (0, 1)]
+    assert names == sorted(f"./{e}/{s}/report.json" for e in evaluations for s in (95000, 95001))
+    with tarfile.open(out / "evals.tar.gz") as tar:  # each evaluation ran at its own noise scale
+        for e in evaluations:
+            report = json.load(tar.extractfile(f"./{e}/95000/report.json"))
+            assert report["modes"]["baseline"]["policy_config"]["flow_noise_scale"] == float(e[-1]), e
     summary = (out / "summary.txt").read_text()
-    assert "bundles_transfer_cube-smolvla: 2 slices" in summary and f"{other_name}: 2 slices" in summary
-    assert "seed by seed" in summary  # the paired table against the first bundle
+    assert all(f"{e}: 2 slices" in summary for e in evaluations)
+    assert "against bundles_transfer_cube-smolvla_n0:baseline, seed by seed" in summary  # the paired table
 
 
 def test_the_gpu_eval_script_names_a_missing_bundle_and_starts_no_slice_past_its_deadline(tmp_path):

@@ -57,16 +57,17 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     lr.set_defaults(func=_lerobot)
     o = command(
         bsub, "outcomes", "task stages reached and paired comparisons of eval reports' modes (no simulation)",
-        "vla-accel bench outcomes evC_a,evC_b evF_a,evF_b --reference baseline",
+        "vla-accel bench outcomes C=evC_a,evC_b F=evF_a,evF_b --reference baseline",
         details="Reads eval reports (report.json or its directory) and prints, per mode, the share of episodes that "
         "reached each task stage and, against the reference mode on the same seeds, the seeds only one of them "
         "reached it on with the exact McNemar p-value. A,B joins reports of one evaluation run in parts (halves of "
         "the seeds in parallel processes); several REPORTs (other bundles, checkpoints, settings on the same seeds) "
-        "are compared as REPORT:MODE against the first one's reference mode. Works on reports written before these "
-        "fields existed.",
+        "are compared as REPORT:MODE against the first one's reference mode; NAME=REPORT[,PART...] names them NAME "
+        "in the tables instead. Works on reports written before these fields existed.",
     )  # fmt: skip
-    o.add_argument("reports", nargs="+", metavar="REPORT[,PART...]",
-                   help="eval report directory or its report.json; comma-joined: the parts of one evaluation")
+    o.add_argument("reports", nargs="+", metavar="[NAME=]REPORT[,PART...]",
+                   help="eval report directory or its report.json; comma-joined: the parts of one evaluation; "
+                   "NAME=: its name in the tables (default: the argument as given)")
     o.add_argument("--reference", default="baseline", metavar="MODE",
                    help="the (first report's) mode every other is paired with, e.g. lerobot (default baseline)")
     o.add_argument("--json", type=Path, help="also write the report with these fields added here")
@@ -127,15 +128,21 @@ def _outcomes(args: argparse.Namespace) -> int:
     check_output(args.json)
     evaluations = []
     for entry in args.reports:
+        label, named, paths = entry.partition("=")
+        # NAME=...: a name without a path separator or comma, so that a path holding "=" still reads as a path
+        if not (named and label and not any(c in label for c in "/,")):
+            label, paths = entry, entry
         parts = []
-        for part in (p for p in entry.split(",") if p):
+        for part in (p for p in paths.split(",") if p):
             path = Path(part) / "report.json" if Path(part).is_dir() else Path(part)
             if not path.is_file():
                 raise ConfigError(f"report {part}: no report.json there")
             parts.append(json.loads(path.read_text()))
         if not parts:
             raise ConfigError(f"report {entry!r}: names no report")
-        evaluations.append((entry, parts))
+        if label in (name for name, _ in evaluations):
+            raise ConfigError(f"report {entry!r}: the name {label!r} is given twice")
+        evaluations.append((label, parts))
     try:
         joined = [(label, join_parts(parts)) for label, parts in evaluations]
         if len(joined) == 1:
