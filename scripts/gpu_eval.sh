@@ -11,8 +11,8 @@
 # started from in minutes (one run's score swings ~9 points between steps 32 apart, and neither
 # the validation loss nor the last step says which acts best). Every (bundle, noise scale, slice of
 # seeds) is one `vla-accel eval` process under `timeout`; the first bundle at the first noise scale
-# is the reference of the paired table (`vla-accel bench outcomes`) written to summary.txt. Back: evals.tar.gz (each slice's
-# report.json and report.md), run_eval.log, summary.txt. Unpack with
+# is the reference of the paired table (`vla-accel bench outcomes`) written to summary.txt.
+# Back: evals.tar.gz (each slice's report.json and report.md), run_eval.log, summary.txt. Unpack with
 #   mkdir -p evals && tar -xzf OUTDIR/evals.tar.gz -C evals
 # and compare with `vla-accel bench outcomes` as summary.txt shows. The machine differs from the
 # CPU here (other floating-point sums, so other episodes): compare bundles evaluated on one machine.
@@ -47,9 +47,10 @@ for b in $BUNDLES; do
     echo "failed: no bundle $b" >> "$SUMMARY"
     exit 1
   fi
+  name=$(echo "$b" | sed 's#/*$##; s#^\./##; s#[^A-Za-z0-9._-]#_#g')
   for noise in $NOISE_SCALES; do  # one evaluation per (bundle, noise scale), named BUNDLE_nNOISE
     bundles+=("$b")
-    names+=("$(echo "$b" | sed 's#/*$##; s#^\./##; s#[^A-Za-z0-9._-]#_#g')_n$noise")
+    names+=("${name}_n$noise")
     noises+=("$noise")
   done
 done
