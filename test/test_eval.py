@@ -416,3 +416,34 @@ def test_the_report_says_what_precision_ran_and_what_the_gate_measured(tiny_bund
     # the same precision (auto could otherwise resolve differently in each).
     later = ev.run_eval(dataclasses.replace(cfg, seed=cfg.seed + 7), progress=False)
     assert later["modes"]["baseline@bf16"]["parity_gate"] == bf16["parity_gate"]
+
+
+def test_no_baseline_runs_only_the_listed_modes_and_pairs_with_an_earlier_report(tiny_bundles, tmp_path, capsys):
+    """--no-baseline skips the baseline's episodes; the mode's episodes are the ones a full
+    evaluation runs on the same seeds, so `bench outcomes` pairs it with that run's baseline.
+    With nothing but the baseline listed it is refused before anything runs."""
+    common = ["--bundle", str(tiny_bundles["flow"]), "--episodes", "2", "--steps", "8", "--seed", "5", "--height", "120",
+              "--width", "160", "--open-loop-episodes", "0", "--no-progress", "--no-parity", "--no-plots"]  # fmt: skip
+    full, alone = tmp_path / "full", tmp_path / "alone"
+    assert main(["eval", *common, "--modes", "cache", "--report", str(full)]) == 0
+    assert main(["eval", *common, "--modes", "cache", "--no-baseline", "--report", str(alone)]) == 0
+    a, b = (json.loads((d / "report.json").read_text()) for d in (full, alone))
+    assert a["mode_order"] == ["baseline", "cache"] and b["mode_order"] == ["cache"]
+    assert b["modes"]["cache"]["per_episode"] == a["modes"]["cache"]["per_episode"]
+    assert "speedup_vs_baseline" not in b["modes"]["cache"] and "paired_vs_baseline" not in b["modes"]["cache"]
+    capsys.readouterr()
+    assert main(["bench", "outcomes", f"base={full}", f"alone={alone}"]) == 0
+    assert "alone:cache" in capsys.readouterr().out
+    assert main(["eval", *common, "--modes", "baseline", "--no-baseline", "--report", str(tmp_path / "none")]) == 2
+    assert "--no-baseline leaves no mode to run" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
+def test_the_lerobot_mode_alone_runs_beside_an_added_baseline():
+    """`--modes lerobot` alone was refused as naming no mode; the baseline is added to it as to
+    any other list, and lerobot keeps its place after the modes listed before it."""
+    from vla_accel_ros.bench.eval import eval_modes
+
+    assert eval_modes("lerobot") == ["baseline", "lerobot"]
+    assert eval_modes("cache,lerobot") == ["baseline", "cache", "lerobot"]
+    assert eval_modes("lerobot,cache") == ["baseline", "lerobot", "cache"]

@@ -105,6 +105,9 @@ class EvalConfig:
     # The lerobot mode: LeRobot's checkpoint of the bundle and the Python of LeRobot's side venv.
     lerobot: Path | None = None
     lerobot_python: Path | None = None
+    # False: the baseline's episodes are not run (an earlier report holds them on the same seeds:
+    # `vla-accel bench outcomes` pairs across reports), which halves a one-mode evaluation.
+    run_baseline: bool = True
 
     def validate(self) -> None:
         if self.task not in TASK_NAMES:
@@ -126,6 +129,8 @@ class EvalConfig:
         if not Path(self.bundle).exists():
             raise ConfigError(f"--bundle {self.bundle} does not exist")
         names = eval_modes(list(self.modes))
+        if not self.run_baseline and names == [BASELINE]:
+            raise ConfigError("--no-baseline leaves no mode to run: list one in --modes besides baseline")
         check_overrides(self)
         GraphConfigs.load(self.params, self.scheduler_overrides)  # ConfigError: a bad file or --scheduler value
         if LEROBOT in names:
@@ -145,7 +150,7 @@ def eval_modes(text) -> list[str]:
     """The evaluation's modes in run order: the replay's (:func:`parse_modes`, baseline first)
     and ``lerobot``, LeRobot's own runtime, where it is listed."""
     names = [m.strip() for m in text.split(",")] if isinstance(text, str) else [m.strip() for m in text]
-    engine = parse_modes([m for m in names if m and m != LEROBOT])
+    engine = parse_modes([m for m in names if m and m != LEROBOT] or [BASELINE])  # `lerobot` alone: the baseline is added
     if LEROBOT not in names:
         return engine
     if names.count(LEROBOT) > 1:
@@ -586,7 +591,9 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
     gate = gate_frames_from_sim(robot, cfg.task, GATE_SEED) if cfg.parity_check else None
     refused: dict[str, str] = {}  # modes the gate refuses: reported, the others still run
     runs = build_runs(bundle, [n for n in names if n != LEROBOT], cfg, gate_observations=gate, refused=refused)
-    names = [n for n in names if n not in refused]
+    if not cfg.run_baseline:  # built all the same: the other modes share its weights
+        runs = [r for r in runs if r.name != BASELINE]
+    names = [n for n in names if n not in refused and (cfg.run_baseline or n != BASELINE)]
     if LEROBOT in names:
         from vla_accel_ros.bench.lerobot_eval import lerobot_run
 
@@ -614,13 +621,14 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
         for r in runs:
             if hasattr(r.policy, "close"):
                 r.policy.close()  # the lerobot mode's worker process
-    base_p50 = modes[BASELINE]["latency_ms"]["p50"]
+    base_p50 = modes[BASELINE]["latency_ms"]["p50"] if BASELINE in modes else None
     ref_p50 = modes[LEROBOT]["latency_ms"]["p50"] if LEROBOT in modes else None
     for name, m in modes.items():
-        m["speedup_vs_baseline"] = float(base_p50 / m["latency_ms"]["p50"]) if m["latency_ms"]["p50"] else None
+        if base_p50:
+            m["speedup_vs_baseline"] = float(base_p50 / m["latency_ms"]["p50"]) if m["latency_ms"]["p50"] else None
         if ref_p50:
             m["speedup_vs_lerobot"] = float(ref_p50 / m["latency_ms"]["p50"]) if m["latency_ms"]["p50"] else None
-        if name != BASELINE:
+        if name != BASELINE and BASELINE in modes:
             m["paired_vs_baseline"] = paired_vs_baseline(modes[BASELINE]["per_episode"], m["per_episode"], cfg.task)
     return {
         "schema": SCHEMA,

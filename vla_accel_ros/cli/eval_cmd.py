@@ -59,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="override a field of the controller's chunk scheduler (SchedulerConfig), e.g. aggregation=temporal_ensemble",
     )  # fmt: skip
     p.add_argument("--no-parity", action="store_true", help="skip the parity gate")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="do not run the baseline's episodes (an earlier report of it on the same seeds is the "
+                   "reference: `vla-accel bench outcomes BASE_REPORT THIS_REPORT`); no speedup vs baseline")  # fmt: skip
     p.add_argument(
         "--through-ros", action="store_true",
         help="also run every mode's episodes through the ROS graph (aloha_sim_node in lockstep, policy_node, "
@@ -88,7 +91,7 @@ def _eval(args: argparse.Namespace) -> int:
         scheduler_overrides=parse_overrides(args.scheduler, "--scheduler"), height=args.height, width=args.width,
         pipeline_depth=args.pipeline_depth, pipeline_steps=args.pipeline_steps, stream_every=args.stream_every,
         through_ros=args.through_ros, ros_one_process=args.one_process, ros_domain_id=args.domain_id,
-        ros_episode_timeout_s=args.ros_episode_timeout,
+        ros_episode_timeout_s=args.ros_episode_timeout, run_baseline=not args.no_baseline,
     )  # fmt: skip
     cfg.validate()
     check_report_dir(args.report)
