@@ -591,9 +591,8 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
     gate = gate_frames_from_sim(robot, cfg.task, GATE_SEED) if cfg.parity_check else None
     refused: dict[str, str] = {}  # modes the gate refuses: reported, the others still run
     runs = build_runs(bundle, [n for n in names if n != LEROBOT], cfg, gate_observations=gate, refused=refused)
-    if not cfg.run_baseline:  # built all the same: the other modes share its weights
-        runs = [r for r in runs if r.name != BASELINE]
     names = [n for n in names if n not in refused and (cfg.run_baseline or n != BASELINE)]
+    runs = [r for r in runs if r.name in names]  # the baseline is built all the same: the other modes share its weights
     if LEROBOT in names:
         from vla_accel_ros.bench.lerobot_eval import lerobot_run
 
@@ -624,7 +623,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
     base_p50 = modes[BASELINE]["latency_ms"]["p50"] if BASELINE in modes else None
     ref_p50 = modes[LEROBOT]["latency_ms"]["p50"] if LEROBOT in modes else None
     for name, m in modes.items():
-        if base_p50:
+        if base_p50 is not None:
             m["speedup_vs_baseline"] = float(base_p50 / m["latency_ms"]["p50"]) if m["latency_ms"]["p50"] else None
         if ref_p50:
             m["speedup_vs_lerobot"] = float(ref_p50 / m["latency_ms"]["p50"]) if m["latency_ms"]["p50"] else None
