@@ -412,6 +412,10 @@ def test_the_report_says_what_precision_ran_and_what_the_gate_measured(tiny_bund
     bf16 = result["modes"]["baseline@bf16"]
     assert bf16["precision"] == "lm=bf16,expert=bf16" and result["modes"]["baseline"]["precision"] == "fp32"
     assert "precision_second_frame_max_over_std" in bf16["parity_gate"]["metrics"]
+    from vla_accel_ros.bench.eval_report import headline_text
+
+    assert "baseline@bf16 ran lm=bf16,expert=bf16 (precision resolved on the simulator's frames)" in headline_text(result)
+    assert "baseline ran" not in headline_text(result)
     # The gate's frames do not follow the run's first seed: two halves of one evaluation run
     # the same precision (auto could otherwise resolve differently in each).
     later = ev.run_eval(dataclasses.replace(cfg, seed=cfg.seed + 7), progress=False)

@@ -231,6 +231,29 @@ def test_auto_falls_back_while_the_gate_refuses(models, bf16_cpu):
     assert len(PrecisionConfig(lm="int8").candidates(get_family("ar"))) == 1
 
 
+def test_attention_precision_follows_the_family_and_its_fallbacks():
+    """``attention: auto`` takes the family's choice (bf16 above ``few_rows`` rows), and a
+    fallback of ``auto`` may take it to fp32: smolvla's do, once its tower falls back to bf16
+    (bf16 attention over that prefix lost the trained bundle's task). An explicit setting wins."""
+    smolvla = get_family("smolvla")
+    labels = [c.label() for c in PrecisionConfig(**preset("auto")).candidates(smolvla)]
+    assert labels[:3] == ["vision=int8,projector=bf16,lm=bf16,expert=bf16",
+                          "vision=bf16,projector=bf16,lm=bf16,expert=bf16 attention=fp32",
+                          "vision=bf16,projector=bf16,lm=bf16 attention=fp32"]  # fmt: skip
+    first, fallback = PrecisionConfig(**preset("auto")).candidates(smolvla)[:2]
+    assert first.bf16_attention_above("lm") == first.few_rows and fallback.bf16_attention_above("lm") is None
+    assert fallback.bf16_attention_above("expert") is None
+    kept = PrecisionConfig(**preset("auto"), attention="bf16").candidates(smolvla)[1]
+    assert kept.attention == "bf16" and kept.vision == "bf16"
+    # Explicit precisions take the family's default attention; fp32 components never attend in bf16.
+    assert PrecisionConfig(lm="bf16").resolve(smolvla).bf16_attention_above("lm") == 32
+    assert PrecisionConfig(lm="bf16", attention="fp32").resolve(smolvla).bf16_attention_above("lm") is None
+    assert PrecisionConfig(attention="bf16").resolve(smolvla).bf16_attention_above("lm") is None
+    assert PrecisionConfig(attention="fp32").label() == "fp32"
+    with pytest.raises(ConfigError, match="attention"):
+        PrecisionConfig(attention="fp16")
+
+
 def test_auto_runs_fp32_where_the_cpu_has_no_bf16(models, monkeypatch):
     """An AVX2-only CPU has no bf16 instructions: oneDNN emulates bf16 there, slower than fp32
     (the shipped SmolVLA's bf16 fast mode ran 1.6x slower than its fp32 baseline), so ``auto``
@@ -335,8 +358,10 @@ def test_flow_keeps_its_kv_cache_in_bf16_when_both_decoders_attend_in_bf16(model
     for _ in range(2):
         out = accel.infer(obs, noise=gate_noise(accel))
     assert np.isfinite(out.actions).all() and out.stats["tokens_kept_fraction"] < 1
-    # The expert's chunk rows attend in fp32 when they are few: the cache stays fp32.
+    # The expert's chunk rows attend in fp32 when they are few, or with attention fp32: the cache stays fp32.
     few = build_policy(spec, model, _config("flow", **preset("bf16"), few_rows=spec.chunk_size))
     assert few.cache.k.dtype == torch.float32
+    fp32_attention = build_policy(spec, model, _config("flow", **preset("bf16"), few_rows=spec.chunk_size - 1, attention="fp32"))
+    assert fp32_attention.cache.k.dtype == torch.float32 and fp32_attention.precision.label().endswith("attention=fp32")
     for p in ("fp32", "int8"):
         assert build_policy(spec, model, _config("flow", lm=p, expert=p)).cache.k.dtype == torch.float32

@@ -257,6 +257,10 @@ def test_replay_with_precision_suffix(sim_bag, tiny_bundles, tmp_path):
     assert bf16["speedup_vs_baseline"] > 0 and 0 < bf16["deviation"]["max_over_std"] < 0.02
     assert bf16["parity_gate"]["precision_second_frame_max_over_std"] <= 0.02
     assert "(bf16)" in bf16["doc"]
+    from vla_accel_ros.bench.report import headline_text, markdown
+
+    line = "baseline@bf16 ran lm=bf16,expert=bf16 (precision resolved on the bag's frames)"
+    assert line in headline_text(rep) and f"- {line}" in markdown(rep, [])
 
 
 def test_prune_and_cache_overrides_reach_their_modes_only(sim_bag, tiny_bundles):

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from vla_accel_ros.bench import report
-from vla_accel_ros.bench.report import _md_table, _text_table
+from vla_accel_ros.bench.report import _md_table, _text_table, precision_lines
 
 PLOTS = ("success.png", "error_vs_speedup.png")
 HEADER = ["mode", "success", "95% CI", "mean reward", "p50 ms", "p95 ms", "speedup", "open-loop |err| rad", "err / range",
@@ -147,6 +147,9 @@ def summary_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 MOTION_HEADER = ["mode", "ticks in fine", "inferences coarse / fine", "tokens kept", "kept (coarse)", "kept (fine)", "reused"]
 
 
+SIM_FRAMES = "the simulator's frames"
+
+
 def title(result: dict[str, Any]) -> str:
     b = result["bundle"]
     return (
@@ -169,7 +172,7 @@ def headline_text(result: dict[str, Any]) -> str:
     text = title(result) + "\n" + _text_table(HEADER, rows(result))
     ros = ros_rows(result)
     text += "\n" + _text_table(ROS_HEADER, ros) if ros else ""
-    return "\n".join([text, *refused_lines(result)])
+    return "\n".join([text, *precision_lines(result, SIM_FRAMES), *refused_lines(result)])
 
 
 def markdown(result: dict[str, Any], plots: list[str]) -> str:
@@ -182,8 +185,8 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         "",
         _md_table(HEADER, rows(result)),
         "",
-        *[f"- {line}" for line in refused_lines(result)],
-        *([""] if result.get("refused") else []),
+        *[f"- {line}" for line in (*precision_lines(result, SIM_FRAMES), *refused_lines(result))],
+        *([""] if result.get("refused") or precision_lines(result, SIM_FRAMES) else []),
         "Success: the task's reward reached its maximum (4) during the episode; 95% CI is the Wilson score "
         "interval. Latency: observation in to actions out (ActionChunk timings), selection included. Open-loop "
         "error: mean |chunk - scripted expert| along held-out expert demonstrations (arm joints in rad, grippers "

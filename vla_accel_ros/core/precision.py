@@ -7,11 +7,12 @@ flow's action and time layers; an ar bundle's action rows of ``lm_head`` stay fp
 
 Precisions (applied to every ``nn.Linear`` of a component; norms, rotary tables and the
 residual stream stay fp32, so a component's error cannot leak into a discrete index such as a
-position; attention stays fp32 too, except that a ``bf16`` or ``hybrid`` component attends in
-bf16 in calls of more than ``few_rows`` rows, a prefill or a flow denoising step, where SDPA's
-bf16 kernel is 1.3-1.7x faster than fp32 (not for a decode row, where it is slower). The KV
-cache stays fp32, except for a flow policy whose LM and expert both attend in bf16: it stores
-K/V in bf16, as its attention reads them):
+position; attention stays fp32 too, except that with ``attention: bf16`` a ``bf16`` or ``hybrid``
+component attends in bf16 in calls of more than ``few_rows`` rows, a prefill or a flow denoising
+step, where SDPA's bf16 kernel is 1.3-1.7x faster than fp32 (not for a decode row, where it is
+slower). ``attention: auto`` (the default) takes the family's choice: bf16, except where a
+fallback of ``auto`` says fp32. The KV cache stays fp32, except for a flow policy whose LM and
+expert both attend in bf16: it stores K/V in bf16, as its attention reads them):
 
 * ``fp32``: as trained, the reference;
 * ``bf16``: bf16 weights, inputs cast to bf16 at each matmul and outputs back to fp32 (oneDNN
@@ -55,6 +56,8 @@ from vla_accel_ros.core.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "int8", "hybrid")
 COMPONENTS = ("vision", "projector", "lm", "expert", "heads")
+# The attention of bf16 / hybrid components in calls of more than ``few_rows`` rows.
+ATTENTION = ("fp32", "bf16")
 # Runtimes of the exported graphs (core/backends.py; this module stays free of torch).
 BACKENDS = ("torch", "onnxruntime", "openvino")
 
@@ -63,10 +66,11 @@ class FamilyPrecision(Protocol):
 
     ``precision_defaults``: component -> what ``auto`` resolves to, measured per family (the
     measurements of docs/runtime.md); components the family does not have are absent and always run
-    fp32. ``precision_fallbacks``: when the parity gate refuses ``auto``'s configuration on a
-    bundle, these are tried next, in order (each takes more components back to fp32; components
-    not set to ``auto`` keep their value): a trained model can be more sensitive than the
-    random ones the defaults were measured on."""
+    fp32; an ``"attention"`` key (fp32 | bf16, default bf16) is what ``attention: auto`` runs.
+    ``precision_fallbacks``: when the parity gate refuses ``auto``'s configuration on a
+    bundle, these are tried next, in order (each takes more components back to fp32, and may set
+    ``"attention"``; settings not ``auto`` keep their value): a trained model can be more
+    sensitive than the random ones the defaults were measured on."""
 
     name: str
     precision_defaults: Mapping[str, str]
@@ -111,9 +115,17 @@ class PrecisionConfig(Config):
     few_rows: int = param(
         32,
         doc="calls of at most this many rows count as few: hybrid layers run their int8 copy for them (bf16 "
-        "above), and bf16 / hybrid components keep their attention fp32 for them (bf16 above); the crossover "
+        "above), and bf16 / hybrid components keep their attention fp32 for them (above: see attention); the crossover "
         "measured on a 2-core AMX Xeon is 32-50 rows for 768-wide layers",
         range=(0, 1_000_000),
+        read_only=True,
+    )
+    attention: str = param(
+        "auto",
+        doc="attention of bf16 / hybrid components in calls of more than few_rows rows: bf16 (SDPA's bf16 kernel, "
+        "1.3-1.7x faster) | fp32 | auto (the family's choice: bf16, except where a fallback of auto says fp32, as "
+        "smolvla's does on torch: bf16 attention over a bf16 prefix lost the trained bundle's task)",
+        choices=(*ATTENTION, "auto"),
         read_only=True,
     )
     backend: str = param(
@@ -157,7 +169,8 @@ class PrecisionConfig(Config):
         defaults = family.precision_defaults
         values = {c: self._auto(c, defaults[c], native_bf16, native_vnni) if getattr(self, c) == "auto" else getattr(self, c)
                   for c in COMPONENTS if c in defaults}  # fmt: skip
-        return self.replace(**{c: values.get(c, "fp32") for c in COMPONENTS})
+        attention = defaults.get("attention", "bf16") if self.attention == "auto" else self.attention
+        return self.replace(**{c: values.get(c, "fp32") for c in COMPONENTS}, attention=attention)
 
     def candidates(self, family: FamilyPrecision, *, native_bf16: bool = True, native_vnni: bool = True) -> list["PrecisionConfig"]:
         """The resolved configurations to gate, in order: :meth:`resolve` first, then, for the
@@ -165,10 +178,12 @@ class PrecisionConfig(Config):
         a backend, all of those on it first, then the same on torch."""
         first = self.resolve(family, native_bf16=native_bf16, native_vnni=native_vnni)
         auto = [c for c in COMPONENTS if getattr(self, c) == "auto"]
+        settable = auto + (["attention"] if self.attention == "auto" else [])
         out = [first]
         for fallback in family.precision_fallbacks if auto else ():
-            cand = first.replace(**{c: self._auto(c, v, native_bf16, native_vnni) for c, v in fallback.items() if c in auto})
-            if all(cand.components() != o.components() for o in out):
+            cand = first.replace(**{c: v if c == "attention" else self._auto(c, v, native_bf16, native_vnni)
+                                    for c, v in fallback.items() if c in settable})  # fmt: skip
+            if all(cand.settings() != o.settings() for o in out):
                 out.append(cand)
         if self.backend != "torch":
             out += [c.replace(backend="torch") for c in out]
@@ -185,10 +200,15 @@ class PrecisionConfig(Config):
 
     def bf16_attention_above(self, component: str) -> int | None:
         """Row count above which ``component``'s attention runs in bf16 (None: always fp32)."""
-        return self.few_rows if getattr(self, component) in ("bf16", "hybrid") else None
+        bf16 = self.attention != "fp32" and getattr(self, component) in ("bf16", "hybrid")
+        return self.few_rows if bf16 else None
 
     def components(self) -> dict[str, str]:
         return {c: getattr(self, c) for c in COMPONENTS}
+
+    def settings(self) -> dict[str, str]:
+        """What tells two resolved configurations apart: the components and the attention."""
+        return {**self.components(), "attention": self.attention}
 
     @property
     def reduced(self) -> bool:
@@ -208,9 +228,11 @@ class PrecisionConfig(Config):
         return ",".join(reduced) or "fp32"
 
     def label(self) -> str:
-        """Short description: :meth:`weights_label`, and the backend when it is not torch
-        (``vision=int8,lm=bf16 +openvino``)."""
-        return self.weights_label() + ("" if self.backend == "torch" else f" +{self.backend}")
+        """Short description: :meth:`weights_label`, fp32 attention where a bf16 / hybrid
+        component would otherwise attend in bf16, and the backend when it is not torch
+        (``vision=int8,lm=bf16 +openvino``, ``vision=bf16,lm=bf16 attention=fp32``)."""
+        lowered = self.attention == "fp32" and any(p in ("bf16", "hybrid") for p in self.components().values())
+        return self.weights_label() + (" attention=fp32" if lowered else "") + ("" if self.backend == "torch" else f" +{self.backend}")
 
 
 # What ``auto`` runs where a family's measured default is bf16 or hybrid but the CPU has no bf16
