@@ -250,6 +250,9 @@ def test_attention_precision_follows_the_family_and_its_fallbacks():
     assert PrecisionConfig(lm="bf16", attention="fp32").resolve(smolvla).bf16_attention_above("lm") is None
     assert PrecisionConfig(attention="bf16").resolve(smolvla).bf16_attention_above("lm") is None
     assert PrecisionConfig(attention="fp32").label() == "fp32"
+    assert PrecisionConfig(vision="bf16", attention="fp32").label() == "vision=bf16"  # the tower's attention is not the decoders'
+    # Where no decoder runs bf16 the attention setting changes nothing: no second, identical candidate.
+    assert [c.label() for c in PrecisionConfig(**preset("auto")).candidates(smolvla, native_bf16=False)] == ["vision=int8", "fp32"]
     with pytest.raises(ConfigError, match="attention"):
         PrecisionConfig(attention="fp16")
 

@@ -305,7 +305,7 @@ def _interleave(frames, cfg: LeRobotBenchConfig, runs, worker, cameras, shape, s
 def _gate(policy) -> dict[str, Any]:
     report = getattr(policy, "parity_report", None)
     if report is None:
-        return {"ran": False}
+        return {"ran": False, "precision": policy.precision.label()}
     return {"ran": True, "passed": report.passed, "metrics": report.metrics, "notes": report.notes,
             "precision": policy.precision.label()}  # fmt: skip
 
@@ -348,7 +348,8 @@ def markdown(result: dict[str, Any], plot: str | None) -> str:
             f"{m['deviation_vs_lerobot']['max_over_std']:.2g} | {m['deviation_vs_fp32']['max_over_std']:.2g} | {gate} | "
             + ", ".join(f"{k} {v:.0f}" for k, v in m["stages_p50_ms"].items() if k != "total") + " |"
         )
-    lines += ["", *[f"- {line}" for line in precision_lines(result, "the bag's frames")]]
+    ran = precision_lines(result, "the bag's frames")
+    lines += ["", *[f"- {line}" for line in ran]] if ran else []
     if plot:
         lines += ["", f"![latency]({plot})"]
     mach = result["machine"]

@@ -206,9 +206,15 @@ class PrecisionConfig(Config):
     def components(self) -> dict[str, str]:
         return {c: getattr(self, c) for c in COMPONENTS}
 
+    def attention_matters(self) -> bool:
+        """Whether ``attention`` changes anything: it governs the decoders' (lm, expert) attention
+        only, and only where one of them runs bf16 or hybrid."""
+        return any(getattr(self, c) in ("bf16", "hybrid") for c in ("lm", "expert"))
+
     def settings(self) -> dict[str, str]:
-        """What tells two resolved configurations apart: the components and the attention."""
-        return {**self.components(), "attention": self.attention}
+        """What tells two resolved configurations apart: the components, and the attention where
+        it matters (an fp32 model with either attention is one configuration)."""
+        return {**self.components(), "attention": self.attention if self.attention_matters() else "fp32"}
 
     @property
     def reduced(self) -> bool:
@@ -229,9 +235,9 @@ class PrecisionConfig(Config):
 
     def label(self) -> str:
         """Short description: :meth:`weights_label`, fp32 attention where a bf16 / hybrid
-        component would otherwise attend in bf16, and the backend when it is not torch
+        decoder would otherwise attend in bf16, and the backend when it is not torch
         (``vision=int8,lm=bf16 +openvino``, ``vision=bf16,lm=bf16 attention=fp32``)."""
-        lowered = self.attention == "fp32" and any(p in ("bf16", "hybrid") for p in self.components().values())
+        lowered = self.attention == "fp32" and self.attention_matters()
         return self.weights_label() + (" attention=fp32" if lowered else "") + ("" if self.backend == "torch" else f" +{self.backend}")
 
 

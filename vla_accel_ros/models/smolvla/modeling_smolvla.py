@@ -458,8 +458,9 @@ class SmolVLAFamily(LeRobotFamily):
     # With the tower in bf16 (PyTorch's int8 tower is refused on the shipped bundle) the decoders
     # attend in fp32: bf16 attention over that bf16 prefix passed the gate and lost the trained
     # bundle's task (107/300 against 121/300, p = 0.009; with fp32 attention 114/300, p = 0.21, at
-    # 1.25x instead of 1.31x; no bf16 stage alone lost it: docs/results.md). The int8 tower on
-    # OpenVINO keeps bf16 attention: fp32 attention did not help it (77/200 against 81/200).
+    # no measurable cost: 1.25-1.26x against 1.22-1.25x; no bf16 stage alone lost it:
+    # docs/results.md). The int8 tower keeps bf16 attention: fp32 attention did not help it on
+    # OpenVINO (77/200 against 81/200), and on torch it kept the task with bf16 (110/300, p = 0.07).
     precision_defaults = {"vision": "int8", "projector": "bf16", "lm": "bf16", "expert": "bf16", "heads": "fp32",
                           "attention": "bf16"}  # fmt: skip
     precision_fallbacks = (
