@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from vla_accel_ros.bench import report
-from vla_accel_ros.bench.report import _md_table, _text_table, precision_lines
+from vla_accel_ros.bench.report import SIM_FRAMES, _md_table, _text_table, precision_lines
 
 PLOTS = ("success.png", "error_vs_speedup.png")
 HEADER = ["mode", "success", "95% CI", "mean reward", "p50 ms", "p95 ms", "speedup", "open-loop |err| rad", "err / range",
@@ -147,9 +147,6 @@ def summary_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 MOTION_HEADER = ["mode", "ticks in fine", "inferences coarse / fine", "tokens kept", "kept (coarse)", "kept (fine)", "reused"]
 
 
-SIM_FRAMES = "the simulator's frames"
-
-
 def title(result: dict[str, Any]) -> str:
     b = result["bundle"]
     return (
@@ -176,6 +173,7 @@ def headline_text(result: dict[str, Any]) -> str:
 
 
 def markdown(result: dict[str, Any], plots: list[str]) -> str:
+    notes = [*precision_lines(result, SIM_FRAMES), *refused_lines(result)]
     parts = [
         f"# Closed-loop evaluation: {result['bundle']['name']} on {result['task']}",
         "",
@@ -185,8 +183,8 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         "",
         _md_table(HEADER, rows(result)),
         "",
-        *[f"- {line}" for line in (*precision_lines(result, SIM_FRAMES), *refused_lines(result))],
-        *([""] if result.get("refused") or precision_lines(result, SIM_FRAMES) else []),
+        *[f"- {line}" for line in notes],
+        *([""] if notes else []),
         "Success: the task's reward reached its maximum (4) during the episode; 95% CI is the Wilson score "
         "interval. Latency: observation in to actions out (ActionChunk timings), selection included. Open-loop "
         "error: mean |chunk - scripted expert| along held-out expert demonstrations (arm joints in rad, grippers "

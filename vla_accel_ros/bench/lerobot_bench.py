@@ -37,7 +37,7 @@ import numpy as np
 from vla_accel_ros.bench.machine import machine_info
 from vla_accel_ros.bench.modes import BASELINE, build_runs, frame_noise, parse_modes
 from vla_accel_ros.bench.replay import ReplayConfig
-from vla_accel_ros.bench.report import precision_lines
+from vla_accel_ros.bench.report import BAG_FRAMES, precision_lines
 from vla_accel_ros.bench.stats import distribution
 from vla_accel_ros.core.errors import BagError, ConfigError, VlaAccelError
 from vla_accel_ros.core.parity import noise_scale_of
@@ -348,7 +348,7 @@ def markdown(result: dict[str, Any], plot: str | None) -> str:
             f"{m['deviation_vs_lerobot']['max_over_std']:.2g} | {m['deviation_vs_fp32']['max_over_std']:.2g} | {gate} | "
             + ", ".join(f"{k} {v:.0f}" for k, v in m["stages_p50_ms"].items() if k != "total") + " |"
         )
-    ran = precision_lines(result, "the bag's frames")
+    ran = precision_lines(result, BAG_FRAMES)
     lines += ["", *[f"- {line}" for line in ran]] if ran else []
     if plot:
         lines += ["", f"![latency]({plot})"]

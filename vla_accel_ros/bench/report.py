@@ -64,6 +64,11 @@ def _text_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)])
 
 
+# Whose frames the parity gate saw, as precision_lines names them.
+BAG_FRAMES = "the bag's frames"
+SIM_FRAMES = "the simulator's frames"
+
+
 def precision_lines(result: dict[str, Any], frames: str) -> list[str]:
     """What each mode below fp32 ran. ``auto`` and its fallbacks resolve at start-up on the
     gate's frames (``frames``: a bag's in a replay, the simulator's in an eval), so one mode name
@@ -86,7 +91,7 @@ def headline_text(result: dict[str, Any]) -> str:
         f"replay: {bag['path']} ({result['frames']} timed frames after {result['warmup']} warm-up, "
         f"{len(bag['episodes'])} episode(s)), bundle {b['name']} ({b['family']}, {b['parameters_m']} M params)"
     )
-    return "\n".join([title, _text_table(HEADLINE, headline_rows(result)), *precision_lines(result, "the bag's frames")])
+    return "\n".join([title, _text_table(HEADLINE, headline_rows(result)), *precision_lines(result, BAG_FRAMES)])
 
 
 def stage_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -179,6 +184,7 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         if b.get("token_actions")
         else "max |delta| / action std over the chunk, the same noise in every mode on a given frame"
     )
+    ran = precision_lines(result, BAG_FRAMES)
     lines = [
         f"# Replay benchmark: {b['name']} on {Path(bag['path']).name}",
         "",
@@ -189,8 +195,8 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         "",
         _md_table(HEADLINE, headline_rows(result)),
         "",
-        *[f"- {line}" for line in precision_lines(result, "the bag's frames")],
-        "",
+        *[f"- {line}" for line in ran],
+        *([""] if ran else []),
         "Latency: observation in to actions out (`timings_ms.total`), preprocessing and token selection "
         "included. Speedup: baseline p50 / mode p50 (median of the per-frame ratios: "
         + ", ".join(f"{n} {result['modes'][n]['speedup_paired_median']:.2f}x" for n in result["mode_order"])

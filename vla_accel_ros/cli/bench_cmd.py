@@ -165,7 +165,7 @@ def _lerobot(args: argparse.Namespace) -> int:
     import sys
 
     from vla_accel_ros.bench.lerobot_bench import LeRobotBenchConfig, run_lerobot_bench
-    from vla_accel_ros.bench.report import precision_lines
+    from vla_accel_ros.bench.report import BAG_FRAMES, precision_lines
 
     cfg = LeRobotBenchConfig(
         lerobot=args.lerobot, python=args.python, bag=args.bag, report=args.report, vlm=args.vlm, tokenizer=args.tokenizer,
@@ -179,7 +179,7 @@ def _lerobot(args: argparse.Namespace) -> int:
     print(f"LeRobot p50 {le:.0f} ms; " + "; ".join(
         f"{n} p50 {m['latency_ms']['p50']:.0f} ms ({m['speedup_vs_lerobot']:.2f}x, max dev vs LeRobot "
         f"{m['deviation_vs_lerobot']['max_over_std']:.2g} std)" for n, m in result["modes"].items()))  # fmt: skip
-    for line in precision_lines(result, "the bag's frames"):
+    for line in precision_lines(result, BAG_FRAMES):
         print(line)
     print(f"report: {args.report / 'report.md'}")
     return 0
