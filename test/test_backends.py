@@ -74,8 +74,34 @@ def test_fp32_graph_matches_the_eager_modules_and_the_policy(smolvla, backend):
     pixels = torch.cat([base.frames(o).pixels for o in (obs, changed_observation(obs, base.spec))])
     assert check_vision_runner(policy.vision_graph, base.model, pixels) < 1e-4
     std = base.action_scale()[1]
+    graph = policy.expert_engine.graph  # SmolVLA's expert runs on the runtime too
+    assert graph is not None and graph.describe() == f"{backend} fp32"
+    calls = graph.calls
     assert np.abs((_actions(policy, obs, noise) - _actions(base, obs, noise)) / std).max() < 1e-4
+    assert graph.calls == calls + policy.num_steps
     assert policy.parity_report.passed and policy.parity_report.metrics["actions_max_over_std"] < 1e-4
+
+
+def test_the_expert_graph_exports_per_prefix_length_and_stays_on_torch_where_the_runtime_cannot(smolvla):
+    """A prefix of another length (another instruction) exports its own graph on first use and
+    matches torch; a precision the runtime does not run (ONNX Runtime has no bf16) leaves the
+    expert on torch, with a note that says why, while the vision tower still runs there."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    from dataclasses import replace
+
+    base, obs, noise, converted = smolvla
+    policy = sibling_policy(base, PolicyConfig.from_dict({"precision": {"backend": "onnxruntime"}}), converted=converted)
+    graph = policy.expert_engine.graph
+    other = replace(obs, instruction="put the small block down on the table, then wave")
+    assert policy.layout_of(other)[0].length != policy.layout_of(obs)[0].length
+    lengths = len(graph.runners)
+    std = base.action_scale()[1]
+    assert np.abs((_actions(policy, other, noise) - _actions(base, other, noise)) / std).max() < 1e-4
+    assert len(graph.runners) == lengths + 1 and not graph.failed
+    bf16 = sibling_policy(base, PolicyConfig.from_dict({"precision": {"backend": "onnxruntime", "expert": "bf16"}}),
+                          converted=converted)  # fmt: skip
+    assert bf16.vision_graph is not None and bf16.expert_engine.graph is None
+    assert any("the expert's pass runs on torch" in n and "bf16" in n for n in bf16.precision_notes)
 
 
 def test_the_token_cache_runs_on_the_graph_and_the_vision_cache_stays_on_torch(smolvla):

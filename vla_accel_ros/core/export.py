@@ -26,7 +26,9 @@ live in the exporting process (compiled graphs reach them through ``vla_accel::i
 
 The same steps export to ONNX (:func:`export_onnx_step`, ``vla-accel export --onnx --steps``):
 a functional graph with the attention as standard ops (:class:`OnnxStep`), for ONNX Runtime,
-OpenVINO and TensorRT; checked against the engine on ONNX Runtime, not yet run by a policy.
+OpenVINO and TensorRT; checked against the engine on ONNX Runtime. A policy runs SmolVLA's expert
+pass this way (``precision.backend``: :class:`~vla_accel_ros.models.smolvla.expert.ExpertGraph`);
+the engines' steps stay on torch.
 A family whose step is not an engine's adds its own graph (``onnx_steps``: SmolVLA's expert,
 :class:`~vla_accel_ros.models.smolvla.expert.OnnxExpertStep`).
 """

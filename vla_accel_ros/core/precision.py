@@ -132,8 +132,10 @@ class PrecisionConfig(Config):
         "torch",
         doc="runtime of the vision tower + connector on the uncached path: torch | onnxruntime | openvino (an ONNX "
         "graph per camera exported at start-up, at the vision precision: onnxruntime fp32 / int8, openvino fp32 / "
-        "bf16 / int8); gated against fp32 like a reduced precision, torch where the package is missing or the gate "
-        "refuses; with cache.reuse_vision the vision cache runs the tower, on torch",
+        "bf16 / int8); smolvla runs its expert's denoising pass there too (at the expert precision: openvino fp32 / "
+        "bf16, onnxruntime fp32; else on torch, with a note); gated against fp32 like a reduced precision, torch "
+        "where the package is missing or the gate refuses; with cache.reuse_vision the vision cache runs the tower, "
+        "on torch",
         choices=BACKENDS,
         read_only=True,
     )

@@ -229,6 +229,13 @@ class PolicyBase:
         """The engines' static-shape steps (export): name -> (engine, slots)."""
         raise NotImplementedError
 
+    def use_step_graphs(self, fp32_model: nn.Module, converted: dict) -> list[str]:
+        """Run the steps this family has as exported graphs on ``precision.backend`` (the policy
+        builder calls it when the backend is not torch; ``converted`` holds graphs shared by the
+        policies of one bundle) -> notes on what stays on torch. The engines' steps stay on
+        torch (or ``compile``); SmolVLA runs its expert's pass there."""
+        return []
+
     def onnx_steps(self, layout: PrefixLayout) -> dict:
         """The steps as ONNX graphs (``vla-accel export --onnx --steps``): name ->
         :class:`~vla_accel_ros.core.export.OnnxGraph`; a family with a step outside its engines

@@ -233,7 +233,8 @@ def build_policy(
                 same = precision.replace(backend="torch")
                 candidates = [same] + [c for c in candidates if c != same]
                 continue
-        notes = cpu_notes + [f"{p}; running {precision.label()} instead" for p in passed_over]
+        step_notes = policy.use_step_graphs(model, converted) if precision.backend != "torch" else []
+        notes = cpu_notes + [f"{p}; running {precision.label()} instead" for p in passed_over] + step_notes
         policy.gate_observations = gate_observations
         policy.precision_notes = list(notes)  # its own list: the gate's note below goes to both once
         if not config.parity_check:

@@ -1,11 +1,12 @@
-"""A policy's exported graphs on a backend (:mod:`vla_accel_ros.core.backends`): today its
+"""A policy's exported graphs on a backend (:mod:`vla_accel_ros.core.backends`): its
 vision tower + connector (``model.vis``), one graph per camera at the bundle's image size, which
 :meth:`~vla_accel_ros.models.base.PolicyBase.prefix_embeddings` runs on the uncached path (every
 patch of a camera). The vision cache's partial passes (a fresh token's patches attending to the
 cached K/V of the others) have no fixed shape and stay on the torch modules.
 
 Every family's ``model.vis`` maps pixels [C, 3, S, S] to image-token embeddings [C, T, H], so
-nothing here depends on the family."""
+nothing here depends on the family. (SmolVLA's expert pass, the one decoder step a policy runs
+on a backend, is :class:`~vla_accel_ros.models.smolvla.expert.ExpertGraph`.)"""
 
 from __future__ import annotations
 

@@ -263,6 +263,33 @@ class SmolVLAPolicy(LeRobotPolicy):
     def static_steps(self, layout: PrefixLayout) -> dict:
         return {"prefill": (self.vlm_engine, layout.all_slots())}
 
+    def use_step_graphs(self, fp32_model: nn.Module, converted: dict) -> list[str]:
+        """The expert's pass on the backend at the expert's precision (OpenVINO fp32 / bf16, ONNX
+        Runtime fp32: :class:`~vla_accel_ros.models.smolvla.expert.ExpertGraph`), exported now for
+        the default instruction's prefix; torch where the backend does not run that precision or
+        the export fails (the note says why)."""
+        from vla_accel_ros.core.backends import BackendUnavailable
+        from vla_accel_ros.models.smolvla.expert import ExpertGraph
+
+        p, eng = self.precision, self.expert_engine
+        key = f"graph:expert:{p.backend}:{p.expert}"
+        graph = converted.get(key)
+        try:
+            if graph is None:
+                graph = converted[key] = ExpertGraph(fp32_model.expert, eng.steps, eng.step.cos, eng.step.sin, p.backend,
+                                                     p.expert, threads=torch.get_num_threads())  # fmt: skip
+        except BackendUnavailable as e:
+            return [f"the expert's pass runs on torch: {e}"]
+        layout, _ = self.layout_for(self.spec.default_instruction)
+        self.prepare_cache(layout)
+        eng._prepare(layout.length)
+        c = self.cache
+        x = torch.zeros(1, self.suffix_len, fp32_model.expert.config.hidden_size)
+        if not graph.prepare(layout.length, (x, c.k, c.v, c.valid, eng.cross_k, eng.cross_v)):
+            return [f"the expert's pass runs on torch: {graph.failed[layout.length]}"]
+        eng.graph = graph
+        return []
+
     def onnx_steps(self, layout: PrefixLayout) -> dict:
         """The prefix pass and one pass of the expert over the prefix K/V (a denoising step
         without its small heads), the expert being no engine step (it reads the cache's K/V and
