@@ -133,6 +133,62 @@ def test_the_token_cache_runs_on_the_graph_and_the_vision_cache_stays_on_torch(s
     assert any("reuse_vision" in n for n in policy.precision_notes)
 
 
+def test_openvino_bf16_expert_rebinds_the_prefix_of_each_frame(smolvla):
+    """The shipped fast path (bf16 decoders, the expert's pass on OpenVINO bf16 over a bf16 KV
+    cache): a second frame's chunk equals the one a fresh policy computes on that frame alone
+    (the prefix inputs bound again, not the first frame's), the two frames' chunks differ (the
+    check has something to catch), and the chunk stays within the gate of fp32. Where the
+    precision keeps the expert's attention fp32, the expert stays on torch and says why."""
+    pytest.importorskip("openvino", reason="openvino is not installed (requirements.txt)")
+    base, obs, noise, _ = smolvla
+    cfg = PolicyConfig.from_dict({"precision": {"backend": "openvino", "lm": "bf16", "expert": "bf16", "attention": "bf16"}})
+    policy = sibling_policy(base, cfg, converted={})
+    graph = policy.expert_engine.graph
+    assert graph is not None and graph.describe() == "openvino bf16" and policy.cache.k.dtype == torch.bfloat16
+    second = changed_observation(obs, base.spec)
+    policy.reset()
+    first_chunk = policy.infer(obs, noise=noise).actions
+    got = policy.infer(second, noise=noise).actions
+    fresh = sibling_policy(base, cfg, converted={})
+    fresh.reset()
+    np.testing.assert_allclose(got, fresh.infer(second, noise=noise).actions, rtol=0, atol=1e-6)
+    std = base.action_scale()[1]
+    assert np.abs((first_chunk - got) / std).max() > 1e-3
+    assert np.abs((got - _actions(base, second, noise)) / std).max() < 0.02
+    fp32_attention = sibling_policy(base, PolicyConfig.from_dict({"precision": {**cfg.to_dict()["precision"], "attention": "fp32"}}),
+                                    converted={})  # fmt: skip
+    assert fp32_attention.expert_engine.graph is None
+    assert any("attention is fp32" in n and "policy.precision.attention=fp32" in n for n in fp32_attention.precision_notes)
+
+
+def test_a_failing_expert_graph_leaves_the_expert_on_torch(smolvla, monkeypatch):
+    """A runtime that fails to load the graph at start-up (any error, not only a missing
+    package) leaves the expert on torch with a note naming the error; one that fails mid-chunk
+    puts that prefix length on torch (logged) and the chunk is torch's."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")
+    from vla_accel_ros.core import backends
+
+    base, obs, noise, _ = smolvla
+    cfg = PolicyConfig.from_dict({"precision": {"backend": "onnxruntime"}})
+    real = backends.StepRunner.__init__
+
+    def broken(self, *a, **k):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(backends.StepRunner, "__init__", broken)
+    policy = sibling_policy(base, cfg, converted={})
+    assert policy.vision_graph is not None and policy.expert_engine.graph is None
+    assert any("the expert's pass runs on torch" in n and "RuntimeError: no such kernel" in n for n in policy.precision_notes)
+    monkeypatch.setattr(backends.StepRunner, "__init__", real)
+    policy = sibling_policy(base, cfg, converted={})
+    graph = policy.expert_engine.graph
+    monkeypatch.setattr(backends.StepRunner, "__call__", lambda self, feeds: (_ for _ in ()).throw(RuntimeError("device lost")))
+    std = base.action_scale()[1]
+    assert np.abs((_actions(policy, obs, noise) - _actions(base, obs, noise)) / std).max() < 1e-4
+    length = policy.layout_of(obs)[0].length
+    assert "device lost" in graph.failed[length] and length not in graph.runners
+
+
 @pytest.mark.parametrize("backend", RUNTIMES)
 def test_int8_graphs_pass_the_gate(smolvla, backend):
     """int8 vision on either runtime (ONNX Runtime's dynamic quantization; OpenVINO through

@@ -242,7 +242,7 @@ class StepRunner:
             ov = require("openvino")
             for name, a in feeds.items():
                 self._request.set_tensor(name, ov.Tensor(a))
-        self._bound.update(feeds)  # kept alive: OpenVINO's tensors may share their memory
+        self._bound.update(feeds)  # ONNX Runtime takes them with each call's feeds
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
         """The first output for ``feeds`` and the bound inputs."""

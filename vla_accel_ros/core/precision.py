@@ -132,10 +132,10 @@ class PrecisionConfig(Config):
         "torch",
         doc="runtime of the vision tower + connector on the uncached path: torch | onnxruntime | openvino (an ONNX "
         "graph per camera exported at start-up, at the vision precision: onnxruntime fp32 / int8, openvino fp32 / "
-        "bf16 / int8); smolvla runs its expert's denoising pass there too (at the expert precision: openvino fp32 / "
-        "bf16, onnxruntime fp32; else on torch, with a note); gated against fp32 like a reduced precision, torch "
-        "where the package is missing or the gate refuses; with cache.reuse_vision the vision cache runs the tower, "
-        "on torch",
+        "bf16 / int8); smolvla runs its expert's denoising pass there too (at the expert precision: openvino fp32, "
+        "or bf16 where its attention is bf16; onnxruntime fp32; else on torch, with a note); gated against fp32 like "
+        "a reduced precision, torch where the package is missing or the gate refuses; with cache.reuse_vision the "
+        "vision cache runs the tower and the policy runs on torch",
         choices=BACKENDS,
         read_only=True,
     )
@@ -143,7 +143,8 @@ class PrecisionConfig(Config):
         "",
         doc="directory of exported graphs the backend loads (`vla-accel export --onnx --out DIR`: vision.onnx, "
         "vision.int8.onnx for onnxruntime int8, vision.openvino-int8.xml for openvino int8 calibrated on a bag's "
-        "frames with --calibrate); empty: exported at start-up (openvino int8 then calibrates on the gate's frames)",
+        "frames with --calibrate); empty: exported at start-up (openvino int8 then calibrates on the gate's frames); "
+        "smolvla's expert graph is exported at start-up either way",
         read_only=True,
     )
     gate_ar_min_identical_tokens: float = param(

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from vla_accel_ros.core.backends import BackendUnavailable
 from vla_accel_ros.core.compiled import compile_settings
 from vla_accel_ros.core.engine import StepOutput, StepPlan, attention_dtype
 from vla_accel_ros.core.interrupt import check as check_interrupt
@@ -164,19 +165,28 @@ class ExpertGraph:
     length, exported the first time a length runs (the policy builder exports its default
     instruction's at start-up, where a failure leaves the expert on torch with a note). The
     prefix K/V, their cross-attention maps and the valid flags are bound once per prefix
-    (cache write) and held between the Euler steps; each step feeds only the action rows.
+    (cache write) and held between the Euler steps; each step feeds only the action rows. A
+    runtime error at a later call puts that length on torch too (logged): the pass is a pure
+    function of its inputs, so torch's step computes the same one.
+
+    One graph serves the policies built from one bundle (the builder's ``converted``), with one
+    infer request and one set of bound inputs: they must not run at the same time (a replay's
+    modes run one after another; a policy node has one policy).
 
     Why: the shipped SmolVLA's expert pass (4 layers, 50 rows over a 212-slot prefix, bf16, one
     thread of an AVX-512 EPYC) took 3.7 ms compiled on torch and 2.5 ms with this graph on
-    OpenVINO bf16 (its small heads on torch included): 72 -> 50-56 ms for a chunk's 20 Euler
-    steps."""
+    OpenVINO bf16 (its small heads on torch included): a chunk's 20 Euler steps 79-80 -> 59-67
+    ms in ``vla-accel bench lerobot``."""
 
     def __init__(self, expert: nn.Module, steps: list[LayerStep], cos: torch.Tensor, sin: torch.Tensor,
                  backend: str, precision: str, *, threads: int) -> None:  # fmt: skip
-        from vla_accel_ros.core.backends import BackendUnavailable, check_backend
+        from vla_accel_ros.core.backends import check_backend
 
-        if precision not in ("fp32", "bf16"):  # int8 on a runtime would need calibrated activations
-            raise BackendUnavailable(f"the expert's graph runs fp32 or bf16, not {precision}")
+        runs = {"openvino": "fp32, bf16", "onnxruntime": "fp32"}
+        # int8 on a runtime would need calibrated activations; ONNX Runtime has no bf16 on CPU.
+        if backend in runs and precision not in runs[backend].split(", "):
+            raise BackendUnavailable(f"policy.precision.expert={precision} with policy.precision.backend={backend}: "
+                                     f"the expert's graph runs {runs[backend]} there (openvino: {runs['openvino']})")  # fmt: skip
         check_backend(backend, precision)
         # fp32 modules exported with the attention fp32: the runtime's precision hint decides.
         self.step = ExpertStep(expert, steps, cos, sin, None)
@@ -195,7 +205,7 @@ class ExpertGraph:
         where the export or the runtime failed."""
         import tempfile
 
-        from vla_accel_ros.core.backends import BackendUnavailable, StepRunner, export_onnx
+        from vla_accel_ros.core.backends import StepRunner, export_onnx
 
         if length in self.runners or length in self.failed:
             return length in self.runners
@@ -205,11 +215,16 @@ class ExpertGraph:
                 path = export_onnx(OnnxExpertStep(self.step, length), example, f"{tmp}/expert.onnx",
                                    input_names=ONNX_INPUTS, output_names=("hidden",))  # fmt: skip
                 self.runners[length] = StepRunner(path, self.backend, self.precision, threads=self.threads)
-        except BackendUnavailable as e:
-            self.failed[length] = str(e)
-            # At start-up the builder's note says it; later (a new instruction) only this does.
-            logging.getLogger(__name__).warning("the expert's pass over a %d-slot prefix runs on torch: %s", length, e)
+        except Exception as e:  # noqa: BLE001  (the exporter's and both runtimes' errors are of many types)
+            self._fail(length, e)
         return length in self.runners
+
+    def _fail(self, length: int, error: Exception) -> None:
+        self.runners.pop(length, None)
+        self.failed[length] = f"{type(error).__name__}: {error}" if not isinstance(error, BackendUnavailable) else str(error)
+        # At start-up the builder's note says it; later (a new instruction, a runtime error) only this does.
+        logging.getLogger(__name__).warning("the expert's pass over a %d-slot prefix runs on torch: %s", length,
+                                            self.failed[length])  # fmt: skip
 
     def __call__(self, x: torch.Tensor, args: tuple, length: int, key: tuple) -> torch.Tensor | None:
         """The pass's final normed hidden states [1, H, W] (``x``'s dtype) for the action rows
@@ -219,12 +234,18 @@ class ExpertGraph:
         if not self.prepare(length, (x, *args)):
             return None
         runner = self.runners[length]
-        if self.bound != (key, length):
-            runner.bind({name: (a.numpy() if a.dtype == torch.bool else a.float().numpy())
-                         for name, a in zip(ONNX_INPUTS[1:], args)})  # fmt: skip
-            self.bound = (key, length)
+        try:
+            if self.bound != (key, length):
+                self.bound = None  # until the bind below went through
+                runner.bind({name: (a.numpy() if a.dtype == torch.bool else a.float().numpy())
+                             for name, a in zip(ONNX_INPUTS[1:], args)})  # fmt: skip
+                self.bound = (key, length)
+            hidden = runner({"x": x.detach().float().numpy()})
+        except Exception as e:  # noqa: BLE001  (a runtime's error mid-chunk: torch computes the same pass)
+            self._fail(length, e)
+            return None
         self.calls += 1
-        return torch.from_numpy(runner({"x": x.detach().float().numpy()})).to(x.dtype)
+        return torch.from_numpy(hidden).to(x.dtype)
 
 
 class ExpertEngine:

@@ -272,6 +272,13 @@ class SmolVLAPolicy(LeRobotPolicy):
         from vla_accel_ros.models.smolvla.expert import ExpertGraph
 
         p, eng = self.precision, self.expert_engine
+        low = p.bf16_attention_above("expert")
+        if p.expert == "bf16" and (low is None or self.suffix_len <= low):
+            # The runtime's bf16 runs every matmul in bf16, the attention's too: where the
+            # precision attends in fp32 (auto's fallback that keeps the task) torch runs it.
+            return [f"the expert's pass runs on torch: its {self.suffix_len}-row attention is fp32 here "
+                    f"(policy.precision.attention={p.attention}, few_rows={p.few_rows}), which {p.backend}'s bf16 "
+                    "graph would run in bf16"]  # fmt: skip
         key = f"graph:expert:{p.backend}:{p.expert}"
         graph = converted.get(key)
         try:
