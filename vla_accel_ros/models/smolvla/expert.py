@@ -175,7 +175,7 @@ class ExpertGraph:
 
     Why: the shipped SmolVLA's expert pass (4 layers, 50 rows over a 212-slot prefix, bf16, one
     thread of an AVX-512 EPYC) took 3.7 ms compiled on torch and 2.5 ms with this graph on
-    OpenVINO bf16 (its small heads on torch included): a chunk's 20 Euler steps 79-80 -> 59-67
+    OpenVINO bf16 (its small heads on torch included): a chunk's 20 Euler steps 70-80 -> 51-67
     ms in ``vla-accel bench lerobot``."""
 
     def __init__(self, expert: nn.Module, steps: list[LayerStep], cos: torch.Tensor, sin: torch.Tensor,
