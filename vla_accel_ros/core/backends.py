@@ -233,15 +233,15 @@ class StepRunner:
         self.backend, self.precision = backend, precision
         self._graph = _open(path, backend, precision, max(1, threads))
         self._request = self._graph.create_infer_request() if backend == "openvino" else None
+        self._tensor = require("openvino").Tensor if backend == "openvino" else None  # looked up once, not per step
         self._bound: dict[str, np.ndarray] = {}
 
     def bind(self, feeds: dict[str, np.ndarray]) -> None:
         """Inputs held for the following calls (replacing those of the same names)."""
         feeds = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
         if self._request is not None:
-            ov = require("openvino")
             for name, a in feeds.items():
-                self._request.set_tensor(name, ov.Tensor(a))
+                self._request.set_tensor(name, self._tensor(a))
         self._bound.update(feeds)  # ONNX Runtime takes them with each call's feeds
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> np.ndarray:

@@ -136,11 +136,9 @@ def expert_onnx_graph(engine: "ExpertEngine", length: int, rows: int):
     from vla_accel_ros.core.export import OnnxGraph
 
     def inputs(seed: int = 0) -> tuple:
-        engine._prepare(length)
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(1, rows, engine.model.config.hidden_size, generator=g).to(engine.model.norm.weight.dtype)
-        c = engine.cache
-        return (x, c.k, c.v, c.valid, engine.cross_k, engine.cross_v)
+        return (x, *engine.prefix_inputs(length))
 
     def export(path):
         inline = ExpertStep(engine.model, engine.steps, engine.step.cos, engine.step.sin, engine.step.bf16_attention_above)
@@ -180,13 +178,13 @@ class ExpertGraph:
 
     def __init__(self, expert: nn.Module, steps: list[LayerStep], cos: torch.Tensor, sin: torch.Tensor,
                  backend: str, precision: str, *, threads: int) -> None:  # fmt: skip
-        from vla_accel_ros.core.backends import check_backend
+        from vla_accel_ros.core.backends import PRECISIONS, check_backend
 
-        runs = {"openvino": "fp32, bf16", "onnxruntime": "fp32"}
-        # int8 on a runtime would need calibrated activations; ONNX Runtime has no bf16 on CPU.
-        if backend in runs and precision not in runs[backend].split(", "):
+        # The backend's precisions but int8, which on a runtime would need calibrated activations.
+        runs = [p for p in PRECISIONS.get(backend, ()) if p != "int8"]
+        if runs and precision not in runs:
             raise BackendUnavailable(f"policy.precision.expert={precision} with policy.precision.backend={backend}: "
-                                     f"the expert's graph runs {runs[backend]} there (openvino: {runs['openvino']})")  # fmt: skip
+                                     f"the expert's graph runs {', '.join(runs)} there")  # fmt: skip
         check_backend(backend, precision)
         # fp32 modules exported with the attention fp32: the runtime's precision hint decides.
         self.step = ExpertStep(expert, steps, cos, sin, None)
@@ -301,22 +299,28 @@ class ExpertEngine:
                 dst[c, :, :, :length] = out.to(dst.dtype)
         self._prepared = (self.cache.writes, length)
 
+    def prefix_inputs(self, length: int) -> tuple[torch.Tensor, ...]:
+        """The pass's inputs besides the action rows (``ONNX_INPUTS[1:]``: k_cache, v_cache, valid,
+        cross_k, cross_v) for a prefix of ``length`` slots, the cross-attention maps made current."""
+        if self._prepared != (self.cache.writes, length):
+            self._prepare(length)
+        c = self.cache
+        return (c.k, c.v, c.valid, self.cross_k, self.cross_v)
+
     def forward(self, x: torch.Tensor, plan: StepPlan, *, differentiable: bool = False) -> StepOutput:
         """x: [1, H, W] the action tokens' embeddings; ``plan.slots`` start after the prefix
         (the flow policy's expert plan) -> the expert's final normed hidden states [1, H, W]."""
         check_interrupt()  # a node that is ending stops its inference here (between two Euler steps)
         length = int(plan.slots[0])
-        if self._prepared != (self.cache.writes, length):
-            self._prepare(length)
-        c = self.cache
-        args = (c.k, c.v, c.valid, self.cross_k, self.cross_v, length)
+        prefix = self.prefix_inputs(length)
+        args = (*prefix, length)
         if differentiable:
             with torch.enable_grad():
                 return self._out(self.step(x, *args))
         if self.graph is not None:
             # Keyed by this engine and its cache's writes: the prefix the bound inputs hold (one
             # graph serves the policies of a replay, each with its own cache).
-            hidden = self.graph(x, args[:-1], length, (self.serial, c.writes))
+            hidden = self.graph(x, prefix, length, (self.serial, self.cache.writes))
             if hidden is not None:
                 return self._out(hidden)
         if self.compiled is not None:

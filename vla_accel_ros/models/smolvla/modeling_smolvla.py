@@ -269,11 +269,11 @@ class SmolVLAPolicy(LeRobotPolicy):
         the default instruction's prefix; torch where the backend does not run that precision or
         the export fails (the note says why)."""
         from vla_accel_ros.core.backends import BackendUnavailable
+        from vla_accel_ros.core.engine import attention_dtype
         from vla_accel_ros.models.smolvla.expert import ExpertGraph
 
         p, eng = self.precision, self.expert_engine
-        low = p.bf16_attention_above("expert")
-        if p.expert == "bf16" and (low is None or self.suffix_len <= low):
+        if p.expert == "bf16" and attention_dtype(p.bf16_attention_above("expert"), self.suffix_len, torch.float32) is None:
             # The runtime's bf16 runs every matmul in bf16, the attention's too: where the
             # precision attends in fp32 (auto's fallback that keeps the task) torch runs it.
             return [f"the expert's pass runs on torch: its {self.suffix_len}-row attention is fp32 here "
@@ -289,10 +289,8 @@ class SmolVLAPolicy(LeRobotPolicy):
             return [f"the expert's pass runs on torch: {e}"]
         layout, _ = self.layout_for(self.spec.default_instruction)
         self.prepare_cache(layout)
-        eng._prepare(layout.length)
-        c = self.cache
         x = torch.zeros(1, self.suffix_len, fp32_model.expert.config.hidden_size)
-        if not graph.prepare(layout.length, (x, c.k, c.v, c.valid, eng.cross_k, eng.cross_v)):
+        if not graph.prepare(layout.length, (x, *eng.prefix_inputs(layout.length))):
             return [f"the expert's pass runs on torch: {graph.failed[layout.length]}"]
         eng.graph = graph
         return []
