@@ -128,11 +128,20 @@ class OnnxExpertStep(nn.Module):
 ONNX_INPUTS = ("x", "k_cache", "v_cache", "valid", "cross_k", "cross_v")
 
 
+def export_expert_onnx(step: ExpertStep, length: int, args: tuple, path: str):
+    """``step`` over a prefix of ``length`` slots written to ``path`` as ONNX, traced on ``args``
+    (the :data:`ONNX_INPUTS`), its output named ``hidden``: the one way both the export command
+    and :class:`ExpertGraph` make the graph."""
+    from vla_accel_ros.core.backends import export_onnx
+
+    return export_onnx(OnnxExpertStep(step, length), args, path, input_names=ONNX_INPUTS, output_names=("hidden",))
+
+
 def expert_onnx_graph(engine: "ExpertEngine", length: int, rows: int):
     """The expert's pass over a prefix of ``length`` slots for ``rows`` action tokens as an
     :class:`~vla_accel_ros.core.export.OnnxGraph`, checked against the eager step on the same
     random rows and the cache as it stands."""
-    from vla_accel_ros.core.backends import export_onnx, require
+    from vla_accel_ros.core.backends import require
     from vla_accel_ros.core.export import OnnxGraph
 
     def inputs(seed: int = 0) -> tuple:
@@ -142,8 +151,7 @@ def expert_onnx_graph(engine: "ExpertEngine", length: int, rows: int):
 
     def export(path):
         inline = ExpertStep(engine.model, engine.steps, engine.step.cos, engine.step.sin, engine.step.bf16_attention_above)
-        return export_onnx(OnnxExpertStep(inline, length), tuple(a.clone() for a in inputs()), path,
-                           input_names=ONNX_INPUTS, output_names=("hidden",))  # fmt: skip
+        return export_expert_onnx(inline, length, tuple(a.clone() for a in inputs()), path)
 
     def check(path) -> float:
         ort = require("onnxruntime")
@@ -205,15 +213,14 @@ class ExpertGraph:
         where the export or the runtime failed."""
         import tempfile
 
-        from vla_accel_ros.core.backends import StepRunner, export_onnx
+        from vla_accel_ros.core.backends import StepRunner
 
         if length in self.runners or length in self.failed:
             return length in self.runners
         example = tuple(a.detach().clone().float() if a.is_floating_point() else a.clone() for a in args)
         try:
             with tempfile.TemporaryDirectory(prefix="vla-onnx-") as tmp:
-                path = export_onnx(OnnxExpertStep(self.step, length), example, f"{tmp}/expert.onnx",
-                                   input_names=ONNX_INPUTS, output_names=("hidden",))  # fmt: skip
+                path = export_expert_onnx(self.step, length, example, f"{tmp}/expert.onnx")
                 self.runners[length] = StepRunner(path, self.backend, self.precision, threads=self.threads)
         except Exception as e:  # noqa: BLE001  (the exporter's and both runtimes' errors are of many types)
             self._fail(length, e)
