@@ -27,7 +27,7 @@ def test_the_gpu_script_records_trains_from_the_shipped_bundle_and_packs_what_co
     env = {
         **os.environ, "PY": sys.executable, "CARRY": str(tmp_path / "none"), "OUTDIR": str(out), "WORKDIR": str(work),
         "PROCS": "1", "RECORD_S": "1", "EPISODES_PER_BAG": "1", "STEPS": "16", "VAL_EPISODES": "1", "DEVICE": "cpu",
-        "DEADLINE_S": "400", "TRAIN_EXTRA": "--batch 2 --max-steps 2 --keep-every 1 --checkpoint-every 1 --threads 2 "
+        "DEVICE_FRAMES_GIB": "1", "DEADLINE_S": "400", "TRAIN_EXTRA": "--batch 2 --max-steps 2 --keep-every 1 --checkpoint-every 1 --threads 2 "
         "--loader-threads 0",
     }  # fmt: skip
     run = subprocess.run(["bash", "scripts/gpu_record_train.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -60,6 +60,7 @@ def test_the_gpu_script_records_trains_from_the_shipped_bundle_and_packs_what_co
     assert kept == ["0000001", "0000002"], kept
     summary = (out / "summary.txt").read_text()
     assert "train status 0" in summary and '"steps": 2' in summary, summary
+    assert re.search(r"^frames: [0-9.]+ GiB unpacked onto cpu", summary, re.M), summary  # the GPU run's frame store
 
 
 def test_a_failing_probe_recording_stops_the_script_before_the_recorders_start(tmp_path):

@@ -3,6 +3,7 @@ deterministic and resumable runs, bundles every path can load."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,35 @@ def test_a_deferred_shift_gives_the_same_batch(episodes):
     later = ds.batch(rows, shift=5, generator=torch.Generator().manual_seed(3), defer_shift=True)
     assert now.offsets is None and later.offsets is not None and not torch.equal(later.frames, now.frames)
     assert torch.equal(later.device_frames("cpu"), now.frames)
+
+
+def test_stored_frames_give_the_packed_batch(episodes):
+    """Frames unpacked once (``store_frames``, the GPU run's store) give every batch the packed
+    frames gave: the same pixels, shifted or not, with a stride that skips frames."""
+    packed, stored = ChunkDataset(episodes, 4, stride=3), ChunkDataset(episodes, 4, stride=3)
+    stored.store_frames("cpu", block=5, threads=2)  # blocks that cross an episode's end, unpacked ahead
+    assert stored.frame_store.shape[0] == len(stored) < sum(len(e) for e in episodes)
+    assert stored.frame_bytes() == stored.frame_store.numel()
+    rows = np.array([len(stored) - 1, 0, 3, 2])
+    for shift in (0, 5):
+        a = packed.batch(rows, shift=shift, generator=torch.Generator().manual_seed(1))
+        b = stored.batch(rows, shift=shift, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(a.frames, b.frames) and torch.equal(a.actions, b.actions)
+
+
+def test_frames_on_the_device_train_the_same_weights_and_a_low_limit_keeps_them_packed(episodes, tmp_path, capsys):
+    cfg = TrainConfig(family="flow", size="tiny", chunk_size=4, epochs=1, batch_size=4, val_episodes=1, shift=4,
+                      threads=1, checkpoint_every=0)  # fmt: skip
+    plain = Trainer(cfg, episodes, tmp_path / "plain")
+    stored = Trainer(cfg.replace(device_frames_gib=1.0), episodes, tmp_path / "stored")
+    assert plain.train_set.frame_store is None and stored.train_set.frame_store is not None
+    for t in (plain, stored):
+        t.run(progress=False)
+    assert all(torch.equal(v, stored.model.state_dict()[k]) for k, v in plain.model.state_dict().items())
+    capsys.readouterr()
+    low = Trainer(cfg.replace(device_frames_gib=1e-6), episodes, tmp_path / "low")
+    assert low.train_set.frame_store is None
+    assert "above --device-frames-gib 1e-06: they stay packed on the host" in capsys.readouterr().err
 
 
 def test_chunks_pad_past_the_episode_end(episodes):
@@ -180,6 +210,8 @@ def test_train_cli_bundle_loads_passes_parity_and_resumes_exactly(demo_bag, tmp_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     log = (straight / "train_log.jsonl").read_text().splitlines()
     assert len(log) == 2 and '"val_loss"' in log[0]
+    first = json.loads(log[0])  # how long the loop waited for its batches, within the epoch's time
+    assert 0.0 <= first["batch_wait_s"] <= first["seconds"]
     # An existing output is never overwritten without --resume.
     assert main(common + ["--out", str(straight), "--epochs", "1"]) == 2
 

@@ -68,6 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--read-workers", type=int, default=d.read_workers, metavar="N",
                    help="processes reading the bags in parallel (default 0: in this process)")
     p.add_argument("--device", default=d.device, help="cpu or cuda")
+    p.add_argument("--device-frames-gib", type=float, default=d.device_frames_gib, metavar="GIB",
+                   help="unpack the training frames onto --device once when they take at most GIB (0: never): no batch "
+                   "crosses the host")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
     p.add_argument("--keep-every", type=int, default=d.keep_every,
                    help="also keep a bundle of every N-th step in OUT/steps/<step> (0: none), to evaluate each")
@@ -110,7 +113,7 @@ def _train(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, frame_stride=args.frame_stride,
         val_episodes=args.val_episodes, shift=args.shift, freeze_vision=args.freeze_vision, bf16=not args.fp32, seed=args.seed, threads=args.threads,
         loader_threads=args.loader_threads, read_workers=args.read_workers, fit_minutes=args.fit_minutes,
-        device=args.device, checkpoint_every=args.checkpoint_every, keep_every=args.keep_every,
+        device=args.device, device_frames_gib=args.device_frames_gib, checkpoint_every=args.checkpoint_every, keep_every=args.keep_every,
         save_dtype=args.save_dtype, name=args.name, reasoning=args.reasoning, init_from=args.init_from,
     )  # fmt: skip
     if args.train_episodes < 0:

@@ -15,9 +15,11 @@ episodes only.
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +27,9 @@ import torch
 from vla_accel_ros.core.errors import BagError, ConfigError
 from vla_accel_ros.core.reasoning.template import ReasoningTemplate
 from vla_accel_ros.core.text import words_of
+
+
+T, R = TypeVar("T"), TypeVar("R")
 
 
 class PackedFrames:
@@ -281,6 +286,9 @@ class ChunkDataset:
     # Per episode [T, C, N, H]: a frozen tower's tokens of every frame (the trainer's
     # --freeze-vision without the shift), which batches carry instead of frames.
     image_tokens: list[torch.Tensor] | None = None
+    # [N, C, S, S, 3] uint8, row r the frame of sample r (:meth:`store_frames`), where the model
+    # trains: a batch's frames are then one gather there, nothing unpacked or copied on the host.
+    frame_store: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.stride < 1 or self.chunk_size < 1:
@@ -294,6 +302,25 @@ class ChunkDataset:
 
     def __len__(self) -> int:
         return int(self.index.shape[0])
+
+    def frame_bytes(self) -> int:
+        """The bytes of every sample's frame unpacked (what :meth:`store_frames` allocates)."""
+        e = self.episodes[0]
+        return len(self) * int(np.prod(e.frames.shape[1:])) * e.frames.dtype.itemsize
+
+    def store_frames(self, device: torch.device | str, *, block: int = 64, threads: int = 0) -> None:
+        """Unpack every sample's frame once into :attr:`frame_store` on ``device``, ``block``
+        frames at a time, unpacked on ``threads`` (the host holds a few blocks unpacked, never the
+        whole set)."""
+        shape = tuple(self.episodes[0].frames.shape[1:])
+        store = torch.empty((len(self), *shape), dtype=torch.uint8, device=device)
+
+        def unpack(i: int) -> tuple[int, np.ndarray]:
+            return i, np.stack([self.episodes[int(ei)].frames[int(t)] for ei, t in self.index[i : i + block]])
+
+        for i, part in prefetched(unpack, range(0, len(self), block), threads):
+            store[i : i + len(part)].copy_(torch.from_numpy(part))
+        self.frame_store = store
 
     @property
     def instruction(self) -> str:
@@ -320,8 +347,11 @@ class ChunkDataset:
             pad = h - chunk.shape[0]
             if pad:
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)])
-            # the frame, or its frozen tower's tokens when they were computed once
-            frames.append(e.frames[t] if self.image_tokens is None else self.image_tokens[int(ei)][int(t)])
+            # the frame, or its frozen tower's tokens when they were computed once (neither when stored)
+            if self.image_tokens is not None:
+                frames.append(self.image_tokens[int(ei)][int(t)])
+            elif self.frame_store is None:
+                frames.append(e.frames[t])
             states.append(e.states[t])
             actions.append(chunk)
             valid.append(np.arange(h) < h - pad)
@@ -334,7 +364,10 @@ class ChunkDataset:
         )  # fmt: skip
         if self.image_tokens is not None:
             return Batch(frames=None, image_tokens=torch.stack(frames), **common)
-        raw = torch.from_numpy(np.stack(frames))  # [B, C, S, S, 3] uint8
+        if self.frame_store is not None:
+            raw = self.frame_store.index_select(0, torch.as_tensor(rows, dtype=torch.int64).to(self.frame_store.device))
+        else:
+            raw = torch.from_numpy(np.stack(frames))  # [B, C, S, S, 3] uint8
         offsets = shift_offsets(raw.shape[0] * raw.shape[1], shift, generator) if shift > 0 else None
         if offsets is not None and not defer_shift:
             raw, offsets = _shift_by_slices(raw, offsets), None
@@ -347,6 +380,24 @@ class ChunkDataset:
         """Consecutive rows in order (validation)."""
         for i in range(0, len(self), batch_size):
             yield np.arange(i, min(len(self), i + batch_size))
+
+
+def prefetched(fn: Callable[[T], R], items: Sequence[T], threads: int) -> Iterator[R]:
+    """``fn`` of each item, in order, computed up to ``2 * threads`` items ahead on ``threads``
+    background threads (0: one at a time, here): work that releases the GIL (LZ4, numpy copies)
+    overlaps the consumer's, and no more than the window is held at once."""
+    if not threads:
+        yield from map(fn, items)
+        return
+    ahead = 2 * threads
+    with ThreadPoolExecutor(threads, thread_name_prefix="prefetch") as pool:
+        pending = deque(pool.submit(fn, x) for x in items[:ahead])
+        for x in items[ahead:]:
+            done = pending.popleft().result()
+            pending.append(pool.submit(fn, x))
+            yield done
+        while pending:
+            yield pending.popleft().result()
 
 
 def shift_offsets(n: int, shift: int, generator: torch.Generator | None) -> torch.Tensor:
