@@ -25,6 +25,7 @@ PROCS=${PROCS:-$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))}
 TASK=${TASK:-transfer_cube}
 CAMERAS=${CAMERAS:-top,left_wrist,right_wrist}
 RENDER_EVERY=${RENDER_EVERY:-4}
+RENDER_FIRST=${RENDER_FIRST:-12}       # also every tick before this one: the frames before the arm moves (sim record --render-first)
 EPISODES_PER_BAG=${EPISODES_PER_BAG:-4}
 STEPS=${STEPS:-0}                      # control steps per episode (0: the task's)
 SEED0=${SEED0:-130000}                 # process p, bag k: seed SEED0 + 1000 p + EPISODES_PER_BAG k (used: 1000, 30000, 50000, 70000, 110000)
@@ -58,7 +59,7 @@ INIT=()
 [ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
 record() {  # SEED EPISODES OUT [NOISE]: one bag, under a timeout, its output in the log
   timeout -k 10 "$BAG_TIMEOUT" "${VLA[@]}" sim record --task "$TASK" --episodes "$2" --seed "$1" \
-    --cameras "$CAMERAS" --render-every "$RENDER_EVERY" "${STEP_ARGS[@]}" --action-noise "${4:-0}" \
+    --cameras "$CAMERAS" --render-every "$RENDER_EVERY" --render-first "$RENDER_FIRST" "${STEP_ARGS[@]}" --action-noise "${4:-0}" \
     --noise-hold "$NOISE_HOLD" --out "$3" >> "$LOG" 2>&1
 }
 

@@ -131,6 +131,16 @@ def test_fps_is_the_observation_rate(bag3: Path, tmp_path: Path) -> None:
         dataset_fps([f.stamp_ns for f in BagFrames(_cfg(tmp_path, every3))], "every3")
 
 
+def test_frames_closer_than_a_period_are_refused() -> None:
+    """A bag recorded with ``sim record --render-first`` (every tick at the start, then every 2nd):
+    its median rate is a whole fps, but rows are timed index / fps, so its first frames would be
+    written at times they were not taken."""
+    ms = [0, 20, 40, 80, 120, 160, 200]  # ticks 0, 1, 2, then every 2nd
+    with pytest.raises(BagError, match=r"dense: 2 observation\(s\) less than 0.6 of a frame period \(24.0 ms\).*--render-first"):
+        dataset_fps([m * 1_000_000 for m in ms], "dense")
+    assert dataset_fps([m * 1_000_000 for m in ms[2:]], "even") == 25
+
+
 def _copy(src: Path, dst: Path, keep=lambda m: True, marker: int | None = None) -> Path:
     """A bag with the messages of ``src`` that ``keep(message)`` keeps, bytes unchanged (every
     episode marker set to ``marker`` when given)."""

@@ -139,6 +139,11 @@ def test_episode_frames_render_every_few_ticks() -> None:
     assert all(f.action.shape == (14,) for f in frames)
     with pytest.raises(SimError, match="render_every"):
         next(scripted_episode_frames(sim, seed=1, steps=7, render_every=0))
+    # render_first: also every tick before it (the frames where the arm has not moved yet)
+    first = list(scripted_episode_frames(sim, seed=1, steps=9, episode=4, render_every=3, render_first=3))
+    assert [bool(f.images) for f in first] == [k < 3 or k % 3 == 1 for k in range(9)]
+    with pytest.raises(SimError, match="render_first"):
+        next(scripted_episode_frames(sim, seed=1, steps=7, render_first=-1))
 
 
 def test_transfer_cube_scripted_success() -> None:

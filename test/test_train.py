@@ -81,6 +81,22 @@ def test_a_deferred_shift_gives_the_same_batch(episodes):
     assert torch.equal(later.device_frames("cpu"), now.frames)
 
 
+def test_packed_frames_take_frames_one_at_a_time_and_refuse_a_different_shape():
+    """The reader packs each frame as it comes (a bag's episodes never sit unpacked in memory)."""
+    from vla_accel_ros.core.errors import BagError
+    from vla_accel_ros.train.data import PackedFrames
+
+    frames = np.random.default_rng(0).integers(0, 256, (3, 2, 8, 8, 3), dtype=np.uint8)
+    packed = PackedFrames()
+    with pytest.raises(BagError, match="at least one frame"):
+        packed.shape
+    for f in frames:
+        packed.append(f)
+    assert packed.shape == frames.shape and all(np.array_equal(packed[i], frames[i]) for i in range(3))
+    with pytest.raises(BagError, match=r"frame of shape \[2, 8, 9, 3\] among frames of shape \[2, 8, 8, 3\]"):
+        packed.append(np.zeros((2, 8, 9, 3), np.uint8))
+
+
 def test_stored_frames_give_the_packed_batch(episodes):
     """Frames unpacked once (``store_frames``, the GPU run's store) give every batch the packed
     frames gave: the same pixels, shifted or not, with a stride that skips frames."""

@@ -34,6 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "per episode): rendering is most of the cost, and training reads the actions between frames",
     )  # fmt: skip
     r.add_argument(
+        "--render-first", type=int, default=0, metavar="T",
+        help="also render every tick before tick T (default 0: none): the frames before the arm has moved, where a "
+        "policy must find the object; with --render-every 4 an episode has one. The frames are then not evenly "
+        "spaced, which a LeRobotDataset cannot hold (bag export-lerobot refuses such a bag)",
+    )  # fmt: skip
+    r.add_argument(
         "--action-noise", type=float, default=0.0, metavar="RAD",
         help="execute each arm joint's command with an offset drawn from N(0, RAD), held --noise-hold ticks, "
         "and record the expert's action as it is: demonstrations of coming back to the path (DART). Each draw "
@@ -65,6 +71,8 @@ def _record(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--episodes, --steps and --render-every must be >= 1, got {args.episodes}, {args.steps} and {args.render_every}"
         )
+    if args.render_first < 0:
+        raise ConfigError(f"--render-first must be >= 0 (0: none), got {args.render_first}")
     # Validate before the bag directory exists (the frame generator starts lazily).
     SimConfig(task=args.task, cameras=cameras, height=args.height, width=args.width)
     try:
@@ -74,6 +82,7 @@ def _record(args: argparse.Namespace) -> int:
     frames = scripted_frames(
         args.task, args.episodes, seed=args.seed, steps=args.steps,
         cameras=cameras, height=args.height, width=args.width, render_every=args.render_every, noise=noise,
+        render_first=args.render_first,
     )  # fmt: skip
     start_ns = time.time_ns() if args.start_time is None else int(args.start_time * 1e9)
     print(

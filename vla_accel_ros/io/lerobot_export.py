@@ -56,6 +56,9 @@ CODEBASE_VERSION = "v3.0"  # the LeRobotDataset format LeRobot 0.4 reads and wri
 # An episode's median observation interval may differ this much from 1 / fps (a camera at
 # 29.97 Hz in a 30 fps dataset passes; 50 / 3 Hz frames, 16.67 fps, are no 17 fps dataset).
 RATE_TOLERANCE = 0.01
+# No observation may follow the one before by less than this many frame periods (camera jitter
+# stays well above it; every tick of a 25 fps recording's start, 0.5, does not).
+CLOSE = 0.6
 # Rows read to find the dataset's fps before the writer starts (it needs the fps first).
 FPS_PROBE = 16
 
@@ -303,7 +306,8 @@ def dataset_fps(stamps_ns: list[int], where: str) -> int:
 
 
 def check_rate(stamps_ns: list[int], fps: int, where: str) -> None:
-    """An episode's observations are taken at ``fps`` (median interval within RATE_TOLERANCE)."""
+    """An episode's observations are taken at ``fps`` (median interval within RATE_TOLERANCE, and
+    none closer than CLOSE periods to the one before)."""
     if len(stamps_ns) < 2 or fps < 1:
         return
     interval = statistics.median(np.diff(np.asarray(stamps_ns, np.int64)).tolist()) / 1e9
@@ -312,6 +316,14 @@ def check_rate(stamps_ns: list[int], fps: int, where: str) -> None:
             f"{where}: observations every {interval * 1e3:.1f} ms ({1 / interval:.2f} Hz), not a {fps} fps dataset; "
             "a LeRobotDataset has a whole number of frames per second: record frames at such a rate (sim record "
             "--render-every N with N dividing 50)"
+        )
+    close = int(np.sum(np.diff(np.asarray(stamps_ns, np.int64)) < CLOSE * 1e9 / fps))
+    if close:
+        # A dataset row's time is its index / fps: frames much closer than a period would be
+        # written at times they were not taken (a bag recorded with sim record --render-first).
+        raise BagError(
+            f"{where}: {close} observation(s) less than {CLOSE:g} of a frame period ({CLOSE * 1e3 / fps:.1f} ms) after the "
+            f"one before, in a {fps} fps dataset: a LeRobotDataset's frames are evenly spaced; record without --render-first"
         )
 
 

@@ -78,6 +78,7 @@ def scripted_episode_frames(
     episode: int = 0,
     render_every: int = 1,
     noise: ActionNoise | None = None,
+    render_first: int = 0,
 ) -> Iterator[Frame]:
     """Reset ``sim`` with ``seed`` and yield ``steps`` frames of the task's scripted expert.
 
@@ -88,16 +89,18 @@ def scripted_episode_frames(
     (~15 frames/s for one 640x480 camera on a CPU); the expert itself is ~1 ms a step.
     ``render_every`` > 1 renders only every that many ticks (the others carry no images, but
     their joint states and actions); the phase shifts with ``episode`` so that a recording
-    covers every tick modulo ``render_every``.
+    covers every tick modulo ``render_every``. ``render_first`` > 0 also renders every tick
+    before that one: the frames before the arm has moved, where a policy must find the object
+    (every 4th tick, an episode has one of them; docs/policy-experiments.md).
     """
     if steps < 1:
         raise SimError(f"steps must be >= 1, got {steps}")
-    if render_every < 1:
-        raise SimError(f"render_every must be >= 1, got {render_every}")
+    if render_every < 1 or render_first < 0:
+        raise SimError(f"render_every must be >= 1 and render_first >= 0, got {render_every} and {render_first}")
     phase = episode % render_every
 
     def cams_at(t: int) -> Sequence[str] | None:
-        return cameras if t < steps and (t - phase) % render_every == 0 else ()
+        return cameras if t < steps and (t < render_first or (t - phase) % render_every == 0) else ()
 
     offsets = _completed_draw(sim, seed, steps, noise) if noise is not None and noise.std > 0 else None
     obs = sim.reset(seed, cameras=cams_at(0))
@@ -173,14 +176,17 @@ def scripted_frames(
     width: int = 640,
     render_every: int = 1,
     noise: ActionNoise | None = None,
+    render_first: int = 0,
 ) -> Iterator[Frame]:
     """Frames of ``episodes`` scripted episodes, episode i seeded ``seed + i`` (images every
-    ``render_every`` ticks, commands with ``noise``, see :func:`scripted_episode_frames`)."""
+    ``render_every`` ticks and each before ``render_first``, commands with ``noise``, see
+    :func:`scripted_episode_frames`)."""
     if episodes < 1:
         raise SimError(f"episodes must be >= 1, got {episodes}")
     sim = AlohaSim(SimConfig(task=task, cameras=tuple(cameras), height=height, width=width))
     for i in range(episodes):
-        yield from scripted_episode_frames(sim, seed + i, steps, cameras=None, episode=i, render_every=render_every, noise=noise)
+        yield from scripted_episode_frames(sim, seed + i, steps, cameras=None, episode=i, render_every=render_every, noise=noise,
+                                           render_first=render_first)  # fmt: skip
 
 
 __all__ = ["DT", "ActionNoise", "Frame", "ScriptedTrajectory", "scripted_episode_frames", "scripted_frames", "scripted_trajectory"]
