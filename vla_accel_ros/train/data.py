@@ -180,7 +180,7 @@ def read_episodes(
             action_topic = bag.layout.action_topic
             total = bag.topics[have[cameras[0]]].count
             bar = tqdm(total=total, desc=f"reading {Path(path).name}", unit="frame", disable=not progress, leave=False)
-            parts: dict[int, dict] = {}  # segment -> lists of frames, states, action stamps
+            parts: dict[int, dict] = {}  # segment -> packed frames, lists of states and action stamps
             sync = SyncConfig(cameras=tuple(cameras), image_size=image_size if resize == "square" else 0)
             for i, sample in enumerate(bag.samples(sync)):
                 bar.update(1)
