@@ -49,7 +49,7 @@ class PackedFrames:
 
     def append(self, frame: np.ndarray) -> None:
         """Packs one more frame: a reader packs each frame as it comes, so a bag of hundreds of
-        episodes never sits unpacked in memory (one of 100 three-camera 512 px episodes was 8 GB)."""
+        episodes never sits unpacked in memory (3,500 three-camera 512 px frames are 8.3 GB unpacked)."""
         import lz4.block
 
         a = np.ascontiguousarray(frame, np.uint8)
