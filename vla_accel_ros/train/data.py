@@ -214,12 +214,6 @@ def read_episodes(
     return episodes
 
 
-def _reader_init() -> None:
-    import torch as _torch
-
-    _torch.set_num_threads(1)  # one core per reading process
-
-
 # Frames read between two trims of the heap (:func:`_trim_heap`).
 TRIM_EVERY = 64
 
@@ -244,6 +238,9 @@ def _malloc_trim():
 
 
 def _read_one(args: tuple) -> list[Episode]:
+    import torch as _torch
+
+    _torch.set_num_threads(1)  # one core per reading process
     bag, cameras, image_size, resize = args
     return read_episodes([bag], cameras, image_size, resize=resize, progress=False)
 
@@ -258,8 +255,7 @@ def _read_parallel(bags, cameras, image_size: int, resize: str, workers: int, pr
 
     jobs = [(str(b), tuple(cameras), image_size, resize) for b in bags]
     out: list[Episode] = []
-    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_reader_init) as pool:  # fmt: skip
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
         for eps in tqdm(pool.map(_read_one, jobs), total=len(jobs), desc="reading bags", unit="bag", disable=not progress):
             out.extend(eps)
     return out
