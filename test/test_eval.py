@@ -74,6 +74,37 @@ def test_bench_outcomes_reads_an_older_report(tmp_path, capsys):
     assert "no 'baseline' mode" in capsys.readouterr().err
 
 
+def test_outcomes_by_where_the_object_started(tmp_path, capsys):
+    """Stages per bin of the object's start: each episode counted once, in the bin its seed's
+    placement falls in (the last bin closed); `bench outcomes --by y` places them as the simulator does."""
+    from vla_accel_ros.bench.outcomes import by_position
+
+    result = {"task": "transfer_cube", "mode_order": ["baseline"], "modes": {"baseline": {"per_episode": _episodes([0, 1, 4, 2, 4])}}}
+    position = {100: 0.40, 101: 0.449, 102: 0.45, 103: 0.55, 104: 0.60}
+    bins = by_position(result, position, [0.40, 0.45, 0.50, 0.55, 0.60])["baseline"]
+    assert [b["episodes"] for b in bins] == [2, 1, 0, 2]
+    assert bins[0]["reached"] == [1, 0, 0, 0] and bins[1]["reached"] == [1, 1, 1, 1] and bins[3]["reached"] == [2, 2, 1, 1]
+    with pytest.raises(ValueError, match="outside the bins"):
+        by_position(result, {**position, 104: 0.61}, [0.40, 0.50, 0.60])
+    with pytest.raises(ValueError, match="must rise"):
+        by_position(result, position, [0.5, 0.5])
+
+    pytest.importorskip("gym_aloha")
+    from vla_accel_ros.sim import sample_object_qpos
+
+    (tmp_path / "report.json").write_text(json.dumps({**result, "modes": {"baseline": {"per_episode": _episodes([4] * 40)}}}))
+    out = tmp_path / "by.json"
+    assert main(["bench", "outcomes", str(tmp_path), "--by", "y", "--bins", "2", "--json", str(out)]) == 0
+    assert "by where the object started (y)" in capsys.readouterr().out
+    by = json.loads(out.read_text())["by_position"]
+    assert by["edges"] == [0.4, 0.5, 0.6]
+    low = sum(sample_object_qpos("transfer_cube", 100 + i)[1] < 0.5 for i in range(40))
+    assert [b["episodes"] for b in by["modes"]["baseline"]] == [low, 40 - low]
+    assert 0 < low < 40
+    assert main(["bench", "outcomes", str(tmp_path), "--by", "y", "--bins", "0"]) == 2
+    assert "--bins must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_bench_outcomes_joins_halves_and_pairs_other_evaluations(tmp_path, capsys):
     """Halves of the seeds run in two processes join into one evaluation; several evaluations
     (other bundles, checkpoints) pair with the first one's reference mode, seed by seed."""

@@ -70,6 +70,17 @@ def test_seeded_placement_matches_gym_aloha(cube_sim: AlohaSim) -> None:
     assert isinstance(cube_sim.seed, int)  # a fresh seed is still recorded
 
 
+def test_object_range_is_where_gym_aloha_draws() -> None:
+    """TaskSpec.object_range (the bins of `bench outcomes --by`) spans gym-aloha's draws of the first object."""
+    from vla_accel_ros.sim.aloha import TASKS
+
+    for task, spec in TASKS.items():
+        xy = np.array([sample_object_qpos(task, s)[:2] for s in range(400)])
+        for col, axis in enumerate("xy"):
+            lo, hi = spec.object_range[axis]
+            assert lo <= xy[:, col].min() < lo + 0.02 * (hi - lo) and hi - 0.02 * (hi - lo) < xy[:, col].max() <= hi, (task, axis)
+
+
 def test_misuse_raises_typed_errors(cube_sim: AlohaSim) -> None:
     fresh = AlohaSim(SimConfig(cameras=(), height=H, width=W))
     with pytest.raises(SimError, match="reset"):

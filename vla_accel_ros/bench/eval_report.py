@@ -85,6 +85,19 @@ def paired_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, out
 
 
+def position_rows(by: dict[str, list[dict[str, Any]]], stages: tuple[str, ...], axis: str) -> tuple[list[str], list[list[str]]]:
+    """Per mode and bin of the object's start (:func:`~vla_accel_ros.bench.outcomes.by_position`):
+    the episodes and the share that reached each stage."""
+    header = ["mode", f"object {axis} (m)", "episodes", *stages]
+    out = []
+    for name, bins in by.items():
+        for b in bins:
+            n = b["episodes"]
+            cells = [f"{k} ({100 * k / n:.0f}%)" if n else "-" for k in b["reached"]]
+            out.append([name, f"{b['from']:.3f}-{b['to']:.3f}", str(n), *cells])
+    return header, out
+
+
 def motion_rows(result: dict[str, Any]) -> list[list[str]]:
     """Per mode, the control ticks in fine motion and the image tokens its inferences kept and
     reused, overall and by motion mode (reports written before these were recorded: no rows)."""

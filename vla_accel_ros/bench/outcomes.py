@@ -120,6 +120,33 @@ def with_outcomes(result: dict[str, Any], baseline: str = "baseline") -> dict[st
     return {**result, "modes": modes}
 
 
+def by_position(result: Mapping[str, Any], position: Mapping[int, float], edges: Sequence[float]) -> dict[str, list[dict[str, Any]]]:
+    """Per mode, its episodes binned by where the task's object started (``position``: seed ->
+    one coordinate; bins ``[edges[i], edges[i + 1])``, the last one closed): per bin the episodes
+    and how many reached each stage. A policy that reaches where the object usually is, rather
+    than where it is, scores well in the middle bins and fails at the edges, which its overall
+    rate hides."""
+    if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"bin edges must rise, at least two: {list(edges)}")
+    task = result["task"]
+    if task not in STAGES:
+        raise ValueError(f"no stages for task {task!r}; known: {', '.join(STAGES)}")
+    out: dict[str, list[dict[str, Any]]] = {}
+    last = len(edges) - 2
+    for name in result.get("mode_order", result["modes"]):
+        bins = [{"from": edges[i], "to": edges[i + 1], "episodes": 0, "reached": [0] * len(STAGES[task])} for i in range(last + 1)]
+        for e in result["modes"][name]["per_episode"]:
+            x = position[e["seed"]]
+            i = next((i for i in range(last + 1) if x < edges[i + 1]), last if x <= edges[-1] else None)
+            if i is None or x < edges[0]:
+                raise ValueError(f"seed {e['seed']}: the object starts at {x:.3f}, outside the bins {edges[0]:g}..{edges[-1]:g}")
+            bins[i]["episodes"] += 1
+            for k in range(len(STAGES[task])):
+                bins[i]["reached"][k] += int(e["max_reward"] >= k + 1)
+        out[name] = bins
+    return out
+
+
 def join_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One evaluation run in parts (e.g. halves of the seeds in two processes, one core each): the
     parts' ``per_episode`` records joined mode by mode. The parts must grade the same task and

@@ -63,13 +63,19 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
         "reached it on with the exact McNemar p-value. A,B joins reports of one evaluation run in parts (halves of "
         "the seeds in parallel processes); several REPORTs (other bundles, checkpoints, settings on the same seeds) "
         "are compared as REPORT:MODE against the first one's reference mode; NAME=REPORT[,PART...] names them NAME "
-        "in the tables instead. Works on reports written before these fields existed.",
+        "in the tables instead. --by y adds each mode's stages by where the object started (the seed places it): "
+        "a policy that reaches where the object usually is scores in the middle bins only. Works on reports written "
+        "before these fields existed.",
     )  # fmt: skip
     o.add_argument("reports", nargs="+", metavar="[NAME=]REPORT[,PART...]",
                    help="eval report directory or its report.json; comma-joined: the parts of one evaluation; "
                    "NAME=: its name in the tables (default: the argument as given)")
     o.add_argument("--reference", default="baseline", metavar="MODE",
                    help="the (first report's) mode every other is paired with, e.g. lerobot (default baseline)")
+    o.add_argument("--by", choices=("x", "y"), default=None,
+                   help="also tabulate the stages by the object's start coordinate (the cube, the peg), in --bins "
+                   "equal bins of the range the simulator draws it from")  # fmt: skip
+    o.add_argument("--bins", type=int, default=4, help="--by: number of bins (default 4)")
     o.add_argument("--json", type=Path, help="also write the report with these fields added here")
     o.set_defaults(func=_outcomes)
 
@@ -120,12 +126,14 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _outcomes(args: argparse.Namespace) -> int:
-    from vla_accel_ros.bench.eval_report import paired_rows, stage_rows
-    from vla_accel_ros.bench.outcomes import join_parts, side_by_side, with_outcomes
+    from vla_accel_ros.bench.eval_report import paired_rows, position_rows, stage_rows
+    from vla_accel_ros.bench.outcomes import STAGES, join_parts, side_by_side, with_outcomes
     from vla_accel_ros.bench.report import _text_table, json_safe
     from vla_accel_ros.core.errors import ConfigError
 
     check_output(args.json)
+    if args.bins < 1:
+        raise ConfigError(f"--bins must be >= 1, got {args.bins}")
     evaluations = []
     for entry in args.reports:
         label, named, paths = entry.partition("=")
@@ -156,9 +164,30 @@ def _outcomes(args: argparse.Namespace) -> int:
     if len(joined) > 1 or args.reference != "baseline":
         print(f"against {reference}, seed by seed: seeds only it reached a stage on / only the mode (McNemar p)")
     print(_text_table(*paired_rows(result)))
+    if args.by:
+        result = {**result, "by_position": _by_position(result, args.by, args.bins)}
+        print(f"by where the object started ({args.by}), stages reached:")
+        print(_text_table(*position_rows(result["by_position"]["modes"], STAGES[result["task"]], args.by)))
     if args.json:
         args.json.write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n")
     return 0
+
+
+def _by_position(result: dict, axis: str, bins: int) -> dict:
+    """bench outcomes --by: each mode's stages in equal bins of the simulator's range of the
+    object's start along ``axis``; the positions come from the seeds, as the simulator draws them."""
+    import numpy as np
+
+    from vla_accel_ros.bench.outcomes import by_position
+    from vla_accel_ros.sim.aloha import TASKS, sample_object_qpos
+
+    task = result["task"]
+    lo, hi = TASKS[task].object_range[axis]
+    edges = [float(v) for v in np.linspace(lo, hi, bins + 1)]
+    seeds = {e["seed"] for m in result["modes"].values() for e in m["per_episode"]}
+    col = "xy".index(axis)
+    position = {s: float(sample_object_qpos(task, s)[col]) for s in seeds}
+    return {"axis": axis, "edges": edges, "modes": by_position(result, position, edges)}
 
 
 def _lerobot(args: argparse.Namespace) -> int:

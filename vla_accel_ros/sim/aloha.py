@@ -54,6 +54,9 @@ class TaskSpec:
     ee_xml: str  # end-effector (mocap) scene used to script demonstrations
     instruction: str
     object_joints: tuple[str, ...]  # free joints of the objects, in qpos order
+    # Where gym-aloha's reset draws the first object (the cube, the peg), uniformly: (low, high)
+    # in metres of x (along the line between the arms) and y (away from the right arm's base).
+    object_range: dict[str, tuple[float, float]]
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -63,6 +66,7 @@ TASKS: dict[str, TaskSpec] = {
         ee_xml="bimanual_viperx_end_effector_transfer_cube.xml",
         instruction="Pick up the red cube with the right arm and hand it over to the left arm.",
         object_joints=("red_box_joint",),
+        object_range={"x": (0.0, 0.2), "y": (0.4, 0.6)},
     ),
     "insertion": TaskSpec(
         name="insertion",
@@ -70,6 +74,7 @@ TASKS: dict[str, TaskSpec] = {
         ee_xml="bimanual_viperx_end_effector_insertion.xml",
         instruction="Pick up the red peg and the blue socket and insert the peg into the socket.",
         object_joints=("red_peg_joint", "blue_socket_joint"),
+        object_range={"x": (0.1, 0.2), "y": (0.4, 0.6)},
     ),
 }
 
