@@ -31,6 +31,10 @@ STEPS=${STEPS:-0}                      # control steps per episode (0: the task'
 # docs/policy-experiments.md), so a run is judged at both.
 NOISE_SCALES=${NOISE_SCALES:-0 1}
 EVAL_ARGS=${EVAL_ARGS:---modes baseline --threads 1 --open-loop-episodes 0}
+# Each bundle's first chunks at tick 0 of FIRST_DEMOS expert demonstrations (seeds SEED..): the arm is
+# at home on every seed, so only the cube tells them apart; report.json's first_chunk slope is ~0
+# for a policy that goes where the cube usually is (docs/policy-experiments.md). 0: not checked.
+FIRST_DEMOS=${FIRST_DEMOS:-40}
 
 LOG_NAME=run_eval.log
 # shellcheck source=scripts/gpu_env.sh
@@ -69,9 +73,24 @@ for (( s = 0; s < EPISODES; s += SLICE )); do
   done
 done
 END=$(( T0 + DEADLINE_S ))
+firsts=()
+if [ "$FIRST_DEMOS" -gt 0 ]; then  # first in the queue: one process per bundle, at noise 0
+  for i in "${!bundles[@]}"; do
+    [ "${noises[$i]}" = "$(echo "$NOISE_SCALES" | awk '{print $1}')" ] || continue
+    firsts+=("${names[$i]%_n*}")
+    echo "${bundles[$i]} first_${names[$i]%_n*} first $SEED 1" >> "$order.first"
+  done
+  cat "$order" >> "$order.first" && mv "$order.first" "$order"
+fi
 run_slice() {  # BUNDLE NAME NOISE SEED N: one process, its report in EVALS/NAME/SEED; none started too late to end
   local left=$(( END - SECONDS ))
   [ "$left" -ge "$SLICE_S" ] || { echo "not started (deadline): $2 seed $4" >> "$LOG"; return 0; }
+  if [ "$3" = first ]; then  # the first-chunk check: one closed-loop episode, FIRST_DEMOS frames at tick 0
+    timeout -k 10 "$left" "${VLA[@]}" eval --bundle "$1" --episodes 1 --seed "$4" "${STEP_ARGS[@]}" --modes baseline \
+      --threads 1 --flow-steps "$FLOW_STEPS" --open-loop-episodes "$FIRST_DEMOS" --open-loop-stride 100000 --noise-scale 0 \
+      --no-plots --no-progress --report "$EVALS/first/$2" >> "$LOG" 2>&1 || echo "failed or cut: $2" >> "$LOG"
+    return 0
+  fi
   # shellcheck disable=SC2086  # EVAL_ARGS is a list of flags
   timeout -k 10 "$left" "${VLA[@]}" eval --bundle "$1" --episodes "$5" --seed "$4" "${STEP_ARGS[@]}" $EVAL_ARGS \
     --noise-scale "$3" --no-plots --no-progress --report "$EVALS/$2/$4" >> "$LOG" 2>&1 || echo "failed or cut: $2 seed $4" >> "$LOG"
@@ -98,7 +117,16 @@ if [ ${#reports[@]} -eq 0 ]; then
   echo "failed: no report" >> "$SUMMARY"
   exit 1
 fi
-"${VLA[@]}" bench outcomes "${reports[@]}" >> "$SUMMARY" 2>&1
+"${VLA[@]}" bench outcomes "${reports[@]}" --by y >> "$SUMMARY" 2>&1
+for f in "${firsts[@]}"; do
+  "$PY" -c 'import json, sys
+fc = json.load(open(sys.argv[2]))["modes"]["baseline"]["open_loop_error"]["first_chunk"]
+num = lambda v: "-" if v is None else "%.3f" % v
+print("%s: first chunks at tick 0 of %d demonstrations (noise 0): slope %s, corr %s, spread %.4f (the expert %.4f)"
+      % (sys.argv[1], fc["demos"], num(fc["slope"]), num(fc["corr"]), fc["policy_spread"], fc["expert_spread"]))' \
+    "$f" "$EVALS/first/first_$f/report.json" >> "$SUMMARY" 2>&1 \
+    || echo "$f: no first-chunk check (run_eval.log)" >> "$SUMMARY"
+done
 tar -C "$EVALS" -czf "$OUTDIR/evals.tar.gz" --exclude='*.png' --exclude=lerobot .
 say "done; $(ls "$OUTDIR" | tr '\n' ' ')"
 cat "$SUMMARY"

@@ -164,7 +164,7 @@ def test_bench_outcomes_joins_halves_and_pairs_other_evaluations(tmp_path, capsy
 def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
     out = tmp_path / "report"
     argv = ["eval", "--bundle", str(tiny_bundles[family]), "--episodes", "1", "--steps", "8", "--modes",
-            "baseline,cache", "--report", str(out), "--open-loop-episodes", "1", "--open-loop-stride", "4",
+            "baseline,cache", "--report", str(out), "--open-loop-episodes", "2", "--open-loop-stride", "4",
             "--height", "120", "--width", "160", "--no-progress", "--no-parity"]  # fmt: skip
     extra = "pipelined" if family == "ar" else "prune"
     argv[argv.index("baseline,cache")] = f"baseline,cache,{extra}"
@@ -181,7 +181,9 @@ def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
         lo, hi = m["success_ci95"]
         assert 0.0 <= lo <= m["success_rate"] <= hi <= 1.0
         assert m["latency_ms"]["p50"] > 0 and m["inferences_per_episode"] >= 1
-        assert m["open_loop_error"]["mean_abs_rad"] > 0 and m["open_loop_error"]["chunks"] == 2
+        # two demonstrations for one episode: the open loop's seeds go on past the episodes'
+        assert m["open_loop_error"]["mean_abs_rad"] > 0 and m["open_loop_error"]["chunks"] == 4
+        assert m["open_loop_error"]["first_chunk"]["demos"] == 2 and "slope" in m["open_loop_error"]["first_chunk"]
         assert [s["stage"] for s in m["stages"]] == [1, 2, 3, 4]
         assert m["stages"][-1]["reached"] == m["successes"]  # the last stage is success
         if mode != "baseline":
@@ -195,7 +197,7 @@ def test_eval_one_short_episode_per_mode(family, tiny_bundles, tmp_path):
     assert "paired_vs_baseline" not in report["modes"]["baseline"]
     assert (out / "report.md").is_file() and (out / "success.png").is_file()
     text = (out / "report.md").read_text()
-    assert "Task stages reached" in text and "Motion and image tokens" in text
+    assert "Task stages reached" in text and "Motion and image tokens" in text and ", slope " in text
     assert "| mode | success (Wilson 95%) | touched | lifted | success: gained / lost | McNemar p: success / touched / lifted |" in text
 
 
@@ -295,11 +297,15 @@ def test_first_chunk_spread_is_zero_for_a_policy_blind_to_its_images(tiny_bundle
     lo, hi = (np.asarray(x) for x in default_limits(graph.robot))
     seeing = ev.open_loop_error(policy, demos, lo, hi)["first_chunk"]
     assert seeing["demos"] == 2 and seeing["expert_spread"] > 0 and seeing["policy_spread"] > 0
+    assert seeing["slope"] != 0.0 and -1.0 <= seeing["corr"] <= 1.0
+    follows = ev._first_chunk_spread([(2 * e + 1.0, e) for e in (np.zeros((3, 2)), np.ones((3, 2)), np.full((3, 2), 3.0))])
+    assert follows["slope"] == pytest.approx(2.0) and follows["corr"] == pytest.approx(1.0)
     with torch.no_grad():
         for p in policy.model.vis.parameters():
             p.zero_()
     blind = ev.open_loop_error(policy, demos, lo, hi)["first_chunk"]
     assert blind["policy_spread"] == 0.0 and blind["expert_spread"] == seeing["expert_spread"]
+    assert blind["slope"] == 0.0 and blind["corr"] is None  # the same chunk whatever the scene
 
 
 def test_measured_latency_lands_a_chunk_its_latency_after_its_frame():

@@ -108,7 +108,7 @@ def test_the_gpu_eval_script_judges_bundles_on_the_same_seeds_and_packs_the_repo
     env = {
         **os.environ, "PY": sys.executable, "CARRY": str(tmp_path / "none"), "OUTDIR": str(out), "WORKDIR": str(work),
         "BUNDLES": f"bundles/transfer_cube-smolvla {other}", "EPISODES": "2", "SLICE": "1", "STEPS": "10", "PROCS": "2",
-        "DEADLINE_S": "300", "SLICE_S": "60",
+        "DEADLINE_S": "300", "SLICE_S": "60", "FIRST_DEMOS": "3",
     }  # fmt: skip
     run = subprocess.run(["bash", "scripts/gpu_eval.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -117,7 +117,8 @@ def test_the_gpu_eval_script_judges_bundles_on_the_same_seeds_and_packs_the_repo
         names = sorted(n for n in tar.getnames() if n.endswith("report.json"))
     other_name = re.sub(r"[^A-Za-z0-9._-]", "_", str(other))
     evaluations = [f"{b}_n{n}" for b in ("bundles_transfer_cube-smolvla", other_name) for n in (0, 1)]
-    assert names == sorted(f"./{e}/{s}/report.json" for e in evaluations for s in (95000, 95001))
+    firsts = sorted(f"./first/first_{b}/report.json" for b in ("bundles_transfer_cube-smolvla", other_name))
+    assert names == sorted([*firsts, *(f"./{e}/{s}/report.json" for e in evaluations for s in (95000, 95001))])
     with tarfile.open(out / "evals.tar.gz") as tar:  # each evaluation ran at its own noise scale
         for e in evaluations:
             report = json.load(tar.extractfile(f"./{e}/95000/report.json"))
@@ -125,6 +126,9 @@ def test_the_gpu_eval_script_judges_bundles_on_the_same_seeds_and_packs_the_repo
     summary = (out / "summary.txt").read_text()
     assert all(f"{e}: 2 slices" in summary for e in evaluations)
     assert "against bundles_transfer_cube-smolvla_n0:baseline, seed by seed" in summary  # the paired table
+    assert "by where the object started (y)" in summary
+    for b in ("bundles_transfer_cube-smolvla", other_name):  # each bundle's first chunks at tick 0, once
+        assert re.search(rf"^{re.escape(b)}: first chunks at tick 0 of 3 demonstrations \(noise 0\): slope ", summary, re.M), summary
 
 
 def test_the_gpu_eval_script_names_a_missing_bundle_and_starts_no_slice_past_its_deadline(tmp_path):

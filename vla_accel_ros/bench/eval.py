@@ -559,16 +559,26 @@ def _first_chunk_spread(firsts: list[tuple[np.ndarray, np.ndarray]]) -> dict[str
     """Does the policy look at the scene? At an episode's first frame the arm is at its home pose
     on every seed, so only the image says where the object is: the spread of the policy's first
     chunks across demonstrations (mean |chunk - their mean|) next to the expert's. A policy that
-    predicts the expert from the joint state alone (the scripted expert's shortcut) has ~0 here."""
+    predicts the expert from the joint state alone (the scripted expert's shortcut) has ~0 here.
+
+    A spread alone does not say the chunks vary the right way, so ``slope`` and ``corr`` regress
+    the policy's deviations from its mean first chunk on the expert's, over every action of every
+    joint: 1 when the first chunk moves with the object as the expert's does, ~0 when it goes
+    where the object usually is whatever the image shows (the shipped SmolVLA bundle, whose
+    closed loop then misses cubes away from the middle: docs/policy-experiments.md)."""
     n = min((len(p) for p, _ in firsts), default=0)
     if len(firsts) < 2 or n == 0:
         return {}
-    pol = np.stack([p[:n] for p, _ in firsts])
-    exp = np.stack([e[:n] for _, e in firsts])
+    pol = np.stack([p[:n] for p, _ in firsts]).astype(np.float64)
+    exp = np.stack([e[:n] for _, e in firsts]).astype(np.float64)
+    dp, de = pol - pol.mean(0), exp - exp.mean(0)
+    cov, var_e, var_p = float((dp * de).sum()), float((de * de).sum()), float((dp * dp).sum())
     return {
-        "policy_spread": float(np.abs(pol - pol.mean(0)).mean()),
-        "expert_spread": float(np.abs(exp - exp.mean(0)).mean()),
+        "policy_spread": float(np.abs(dp).mean()),
+        "expert_spread": float(np.abs(de).mean()),
         "mean_abs": float(np.abs(pol - exp).mean()),
+        "slope": cov / var_e if var_e > 0 else None,
+        "corr": cov / np.sqrt(var_e * var_p) if var_e > 0 and var_p > 0 else None,
         "demos": len(firsts),
     }
 
@@ -598,7 +608,9 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True, command: str = "") -> di
 
         runs.insert(names.index(LEROBOT), lerobot_run(cfg.bundle, spec, cfg.lerobot, cfg.lerobot_python, cfg.num_threads, cfg.noise_scale))
     lo, hi = (graph.safety.lower, graph.safety.upper) if graph.safety.lower else default_limits(graph.robot)
-    demos = record_demos(robot, cfg.task, seeds[: cfg.open_loop_episodes], cfg.steps, cfg.open_loop_stride)
+    # The demonstrations' seeds start at the episodes' and may outnumber them: `--episodes 1
+    # --open-loop-episodes 80 --open-loop-stride 300` is a minute's check of the first chunks.
+    demos = record_demos(robot, cfg.task, [cfg.seed + i for i in range(cfg.open_loop_episodes)], cfg.steps, cfg.open_loop_stride)
     modes: dict[str, Any] = {}
     total = len(runs) * len(seeds)
     bar = tqdm(total=total, desc="eval", unit="episode", file=sys.stderr, disable=not progress, dynamic_ncols=True)

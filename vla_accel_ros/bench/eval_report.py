@@ -10,7 +10,7 @@ from vla_accel_ros.bench.report import SIM_FRAMES, _md_table, _text_table, preci
 
 PLOTS = ("success.png", "error_vs_speedup.png")
 HEADER = ["mode", "success", "95% CI", "mean reward", "p50 ms", "p95 ms", "speedup", "open-loop |err| rad", "err / range",
-          "first chunks spread: policy / expert"]  # fmt: skip
+          "first chunks: spread policy / expert, slope"]  # fmt: skip
 
 
 def rows(result: dict[str, Any]) -> list[list[str]]:
@@ -25,9 +25,18 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
             f"{m['speedup_vs_baseline']:.2f}x" if m.get("speedup_vs_baseline") else "-",
             f"{ol['mean_abs_rad']:.4f}" if "mean_abs_rad" in ol else "-",
             f"{100 * ol['mean_abs_range_fraction']:.2f}%" if "mean_abs_range_fraction" in ol else "-",
-            f"{fc['policy_spread']:.4f} / {fc['expert_spread']:.4f}" if (fc := ol.get("first_chunk")) else "-",
+            _first_chunk_cell(ol.get("first_chunk")),
         ])  # fmt: skip
     return out
+
+
+def _first_chunk_cell(fc: dict[str, Any] | None) -> str:
+    """Spread of the first chunks, policy / expert, and the policy's slope on the expert (reports
+    before the slope: the spreads alone)."""
+    if not fc:
+        return "-"
+    cell = f"{fc['policy_spread']:.4f} / {fc['expert_spread']:.4f}"
+    return cell + (f", slope {fc['slope']:.2f}" if fc.get("slope") is not None else "")
 
 
 ROS_HEADER = ["mode", "success (ROS graph)", "95% CI", "mean reward", "p50 ms", "p95 ms", "obs->chunk wall p50 / p95 ms", "chunks"]

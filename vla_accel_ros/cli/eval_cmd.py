@@ -40,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="zero: the simulator waits for each chunk (fidelity only); measured: chunks land after their "
         "measured latency while the arm keeps moving",
     )  # fmt: skip
-    p.add_argument("--open-loop-episodes", type=int, default=2, help="expert demonstrations for the open-loop error")
+    p.add_argument("--open-loop-episodes", type=int, default=2,
+                   help="expert demonstrations for the open-loop error and the first-chunk check (seeds from --seed; may "
+                   "exceed --episodes: --episodes 1 --open-loop-episodes 80 --open-loop-stride 300 checks the first chunks alone)")
     p.add_argument("--open-loop-stride", type=int, default=10, help="steps between two open-loop inferences")
     p.add_argument("--height", type=int, default=480, help="rendered image height (the bundle resizes)")
     p.add_argument("--width", type=int, default=640, help="rendered image width")
