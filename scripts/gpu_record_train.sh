@@ -25,7 +25,10 @@ PROCS=${PROCS:-$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))}
 TASK=${TASK:-transfer_cube}
 CAMERAS=${CAMERAS:-top,left_wrist,right_wrist}
 RENDER_EVERY=${RENDER_EVERY:-4}
-RENDER_FIRST=${RENDER_FIRST:-12}       # also every tick before this one: the frames before the arm moves (sim record --render-first)
+# Also every tick before this one (sim record --render-first): 1 renders each episode's tick 0, the arm at home
+# on every seed, which the phase of --render-every leaves to 1 episode in 4; later ticks show the arm's
+# first motion, which a policy learns to follow instead of the cube (docs/policy-experiments.md).
+RENDER_FIRST=${RENDER_FIRST:-1}
 EPISODES_PER_BAG=${EPISODES_PER_BAG:-4}
 STEPS=${STEPS:-0}                      # control steps per episode (0: the task's)
 SEED0=${SEED0:-130000}                 # process p, bag k: seed SEED0 + 1000 p + EPISODES_PER_BAG k (used: 1000, 30000, 50000, 70000, 110000)
