@@ -75,8 +75,9 @@ done
 END=$(( T0 + DEADLINE_S ))
 firsts=()
 if [ "$FIRST_DEMOS" -gt 0 ]; then  # first in the queue: one process per bundle, at noise 0
+  read -r first_noise _ <<< "$NOISE_SCALES"
   for i in "${!bundles[@]}"; do
-    [ "${noises[$i]}" = "$(echo "$NOISE_SCALES" | awk '{print $1}')" ] || continue
+    [ "${noises[$i]}" = "$first_noise" ] || continue  # each bundle once
     firsts+=("${names[$i]%_n*}")
     echo "${bundles[$i]} first_${names[$i]%_n*} first $SEED 1" >> "$order.first"
   done

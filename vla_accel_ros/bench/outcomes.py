@@ -17,6 +17,7 @@ sharper figures come for free from the per-episode records:
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Any, Mapping, Sequence
 
@@ -137,9 +138,9 @@ def by_position(result: Mapping[str, Any], position: Mapping[int, float], edges:
         bins = [{"from": edges[i], "to": edges[i + 1], "episodes": 0, "reached": [0] * len(STAGES[task])} for i in range(last + 1)]
         for e in result["modes"][name]["per_episode"]:
             x = position[e["seed"]]
-            i = next((i for i in range(last + 1) if x < edges[i + 1]), last if x <= edges[-1] else None)
-            if i is None or x < edges[0]:
+            if not edges[0] <= x <= edges[-1]:
                 raise ValueError(f"seed {e['seed']}: the object starts at {x:.3f}, outside the bins {edges[0]:g}..{edges[-1]:g}")
+            i = min(bisect.bisect_right(edges, x) - 1, last)  # the last bin holds its upper edge
             bins[i]["episodes"] += 1
             for k in range(len(STAGES[task])):
                 bins[i]["reached"][k] += int(e["max_reward"] >= k + 1)

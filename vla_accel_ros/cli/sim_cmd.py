@@ -35,9 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     r.add_argument(
         "--render-first", type=int, default=0, metavar="T",
-        help="also render every tick before tick T (default 0: none): the frames before the arm has moved, where a "
-        "policy must find the object; with --render-every 4 an episode has one. The frames are then not evenly "
-        "spaced, which a LeRobotDataset cannot hold (bag export-lerobot refuses such a bag)",
+        help="also render every tick before tick T (default 0: none). 1 renders each episode's tick 0, the arm at home, "
+        "where only the object says where the chunk goes; the phase of --render-every gives it to 1 episode in N. "
+        "The frames are then not evenly spaced, which a LeRobotDataset cannot hold (bag export-lerobot refuses such a bag)",
     )  # fmt: skip
     r.add_argument(
         "--action-noise", type=float, default=0.0, metavar="RAD",

@@ -90,8 +90,9 @@ def scripted_episode_frames(
     ``render_every`` > 1 renders only every that many ticks (the others carry no images, but
     their joint states and actions); the phase shifts with ``episode`` so that a recording
     covers every tick modulo ``render_every``. ``render_first`` > 0 also renders every tick
-    before that one: the frames before the arm has moved, where a policy must find the object
-    (every 4th tick, an episode has one of them; docs/policy-experiments.md).
+    before that one; 1 renders tick 0, the arm at home on every seed, where only the object says
+    where the chunk goes (the phase gives it to one episode in ``render_every``; later ticks show
+    the arm's first motion, which a policy learns to follow instead: docs/policy-experiments.md).
     """
     if steps < 1:
         raise SimError(f"steps must be >= 1, got {steps}")
