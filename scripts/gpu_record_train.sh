@@ -29,6 +29,13 @@ RENDER_EVERY=${RENDER_EVERY:-4}
 # on every seed, which the phase of --render-every leaves to 1 episode in 4; later ticks show the arm's
 # first motion, which a policy learns to follow instead of the cube (docs/policy-experiments.md).
 RENDER_FIRST=${RENDER_FIRST:-1}
+# Tick-0 scenes besides: short demonstrations that render tick 0 alone and record the chunk of actions
+# after it (sim record --render-every 0 --render-first 1), each process one bag of them before its
+# whole episodes. One render each, so thousands cost a minute, where whole episodes give one tick-0
+# frame in ~75; on the CPU the first chunk began to follow the cube with more such scenes.
+SCENES=${SCENES:-1500}                 # in all, split over the processes (0: none)
+SCENE_STEPS=${SCENE_STEPS:-50}         # actions after each tick-0 frame: the policy's chunk
+SCENE_SEED0=${SCENE_SEED0:-200000}     # process p: seeds SCENE_SEED0 + 10000 p onwards
 EPISODES_PER_BAG=${EPISODES_PER_BAG:-4}
 STEPS=${STEPS:-0}                      # control steps per episode (0: the task's)
 SEED0=${SEED0:-130000}                 # process p, bag k: seed SEED0 + 1000 p + EPISODES_PER_BAG k (used: 1000, 30000, 50000, 70000, 110000)
@@ -65,6 +72,11 @@ record() {  # SEED EPISODES OUT [NOISE]: one bag, under a timeout, its output in
     --cameras "$CAMERAS" --render-every "$RENDER_EVERY" --render-first "$RENDER_FIRST" "${STEP_ARGS[@]}" --action-noise "${4:-0}" \
     --noise-hold "$NOISE_HOLD" --out "$3" >> "$LOG" 2>&1
 }
+SCENES_PER_PROC=$(( (SCENES + PROCS - 1) / PROCS ))
+record_scenes() {  # SEED OUT: one bag of tick-0 scenes
+  timeout -k 10 $(( 2 * SCENES_PER_PROC + 60 )) "${VLA[@]}" sim record --task "$TASK" --episodes "$SCENES_PER_PROC" --seed "$1" \
+    --cameras "$CAMERAS" --steps "$SCENE_STEPS" --render-every 0 --render-first 1 --out "$2" >> "$LOG" 2>&1
+}
 
 # -- recording ---------------------------------------------------------------------------------------
 DATA=$WORKDIR/data
@@ -92,6 +104,7 @@ if [ "$RECORD_S" -gt 0 ]; then
   pids+=($!)
   for p in $(seq 0 $(( PROCS - 1 ))); do
     (
+      [ "$SCENES" -gt 0 ] && [ ! -f "$WORKDIR/stop" ] && record_scenes $(( SCENE_SEED0 + 10000 * p )) "$DATA/scenes_p${p}"
       k=0
       while [ ! -f "$WORKDIR/stop" ]; do  # at least one bag each, then none started after RECORD_S
         record $(( SEED0 + 1000 * p + EPISODES_PER_BAG * k )) "$EPISODES_PER_BAG" "$DATA/p${p}_k${k}" "$ACTION_NOISE"
@@ -118,9 +131,12 @@ if [ "$RECORD_S" -gt 0 ]; then
 fi
 BAGS=$(ls -d "$DATA"/p*_k* 2>/dev/null | sort -V)
 NBAGS=$(echo "$BAGS" | grep -c . || true)
+SCENE_BAGS=$(ls -d "$DATA"/scenes_p* 2>/dev/null | sort -V)
+NSCENES=$(( $(echo "$SCENE_BAGS" | grep -c . || true) * SCENES_PER_PROC ))
 successes=$(grep -h -o "[0-9]* successes" "$LOG" | awk '{s += $1} END {print s + 0}')
 say "recorded: $NBAGS training bags of $EPISODES_PER_BAG episodes (command noise $ACTION_NOISE rad held $NOISE_HOLD ticks), validation bag: $([ -f "$DATA/val/metadata.yaml" ] && echo yes || echo no); scripted successes (all bags, probe included): $successes"
-echo "bags $NBAGS x $EPISODES_PER_BAG, recorded by $(( SECONDS - T0 )) s" >> "$SUMMARY"
+say "tick-0 scenes: $NSCENES (of SCENES=$SCENES), $SCENE_STEPS actions each"
+echo "bags $NBAGS x $EPISODES_PER_BAG, tick-0 scenes $NSCENES, recorded by $(( SECONDS - T0 )) s" >> "$SUMMARY"
 if [ "$NBAGS" -eq 0 ] || [ ! -f "$DATA/val/metadata.yaml" ]; then
   say "FAILED: no training bag or no validation bag"
   exit 1
@@ -135,7 +151,7 @@ fi
 FIT=$(awk -v s="$LEFT" 'BEGIN {printf "%.2f", (s - 20) / 60}')  # 20 s: imports and the last checkpoint
 say "training for $FIT min (--fit-minutes counts the reading of the bags)"
 # shellcheck disable=SC2086  # TRAIN_ARGS and TRAIN_EXTRA are lists of flags
-timeout -k 10 "$(( LEFT + 10 ))" "${VLA[@]}" train $TRAIN_ARGS $TRAIN_EXTRA --data $BAGS "$DATA/val" --val-episodes "$VAL_EPISODES" \
+timeout -k 10 "$(( LEFT + 10 ))" "${VLA[@]}" train $TRAIN_ARGS $TRAIN_EXTRA --data $BAGS $SCENE_BAGS "$DATA/val" --val-episodes "$VAL_EPISODES" \
   --fit-minutes "$FIT" --device "$DEVICE" --device-frames-gib "$DEVICE_FRAMES_GIB" --read-workers "$PROCS" "${INIT[@]}" --out "$WORKDIR/$RUN" >> "$LOG" 2>&1
 rc=$?
 say "training ended with status $rc"

@@ -27,7 +27,7 @@ def test_the_gpu_script_records_trains_from_the_shipped_bundle_and_packs_what_co
     env = {
         **os.environ, "PY": sys.executable, "CARRY": str(tmp_path / "none"), "OUTDIR": str(out), "WORKDIR": str(work),
         "PROCS": "1", "RECORD_S": "1", "EPISODES_PER_BAG": "1", "STEPS": "16", "VAL_EPISODES": "1", "DEVICE": "cpu",
-        "DEVICE_FRAMES_GIB": "1", "DEADLINE_S": "400", "TRAIN_EXTRA": "--batch 2 --max-steps 2 --keep-every 1 --checkpoint-every 1 --threads 2 "
+        "SCENES": "3", "SCENE_STEPS": "20", "DEVICE_FRAMES_GIB": "1", "DEADLINE_S": "400", "TRAIN_EXTRA": "--batch 2 --max-steps 2 --keep-every 1 --checkpoint-every 1 --threads 2 "
         "--loader-threads 0",
     }  # fmt: skip
     run = subprocess.run(["bash", "scripts/gpu_record_train.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -35,6 +35,9 @@ def test_the_gpu_script_records_trains_from_the_shipped_bundle_and_packs_what_co
     log = (out / "run.log").read_text() if (out / "run.log").is_file() else ""
     assert run.returncode == 0, run.stdout + run.stderr + log[-3000:]
     assert "recorded: 1 training bags of 1 episodes (command noise 0.02 rad held 25 ticks), validation bag: yes" in run.stdout
+    assert "tick-0 scenes: 3 (of SCENES=3), 20 actions each" in run.stdout
+    # Trained on beside the whole episode: 4 episodes, of which the scenes add one frame each.
+    assert re.search(r"\b7 training samples \(4 episodes\)", log), log[-3000:]
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= FILE_LIMIT, files
     assert all(p.stat().st_size <= PART_LIMIT for p in out.iterdir())

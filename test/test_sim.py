@@ -148,13 +148,18 @@ def test_episode_frames_render_every_few_ticks() -> None:
     assert [f.step for f in frames] == list(range(7))
     assert [bool(f.images) for f in frames] == [k % 3 == 1 for k in range(7)]  # phase 4 % 3
     assert all(f.action.shape == (14,) for f in frames)
-    with pytest.raises(SimError, match="render_every"):
+    with pytest.raises(SimError, match="renders nothing"):
         next(scripted_episode_frames(sim, seed=1, steps=7, render_every=0))
     # render_first: also every tick before it (the frames where the arm has not moved yet)
     first = list(scripted_episode_frames(sim, seed=1, steps=9, episode=4, render_every=3, render_first=3))
     assert [bool(f.images) for f in first] == [k < 3 or k % 3 == 1 for k in range(9)]
     with pytest.raises(SimError, match="render_first"):
         next(scripted_episode_frames(sim, seed=1, steps=7, render_first=-1))
+    # render_every 0: the ticks before render_first alone, whatever the episode's phase would be
+    for episode in (0, 4):
+        only0 = list(scripted_episode_frames(sim, seed=1, steps=7, episode=episode, render_every=0, render_first=1))
+        assert [bool(f.images) for f in only0] == [k == 0 for k in range(7)]
+        assert len(only0) == 7  # the actions after the frame are all there: the chunk's label
 
 
 def test_transfer_cube_scripted_success() -> None:

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--render-every", type=int, default=1, metavar="N",
         help="render the cameras every N ticks only (joint states and actions at every tick; the phase shifts "
-        "per episode): rendering is most of the cost, and training reads the actions between frames",
+        "per episode): rendering is most of the cost, and training reads the actions between frames. "
+        "0: only the ticks before --render-first (with --render-first 1, each episode's tick 0 alone)",
     )  # fmt: skip
     r.add_argument(
         "--render-first", type=int, default=0, metavar="T",
@@ -67,12 +68,14 @@ def _record(args: argparse.Namespace) -> int:
     from vla_accel_ros.sim import ActionNoise, SimConfig, scripted_frames
 
     cameras = tuple(c.strip() for c in args.cameras.split(",") if c.strip())
-    if args.episodes < 1 or args.steps < 1 or args.render_every < 1:
+    if args.episodes < 1 or args.steps < 1:
+        raise ConfigError(f"--episodes and --steps must be >= 1, got {args.episodes} and {args.steps}")
+    if args.render_every < 0 or args.render_first < 0:
         raise ConfigError(
-            f"--episodes, --steps and --render-every must be >= 1, got {args.episodes}, {args.steps} and {args.render_every}"
+            f"--render-every and --render-first must be >= 0, got {args.render_every} and {args.render_first}"
         )
-    if args.render_first < 0:
-        raise ConfigError(f"--render-first must be >= 0 (0: none), got {args.render_first}")
+    if args.render_every == args.render_first == 0:
+        raise ConfigError("--render-every 0 renders only the ticks before --render-first, which is 0: nothing would be rendered")
     # Validate before the bag directory exists (the frame generator starts lazily).
     SimConfig(task=args.task, cameras=cameras, height=args.height, width=args.width)
     try:

@@ -93,15 +93,20 @@ def scripted_episode_frames(
     before that one; 1 renders tick 0, the arm at home on every seed, where only the object says
     where the chunk goes (the phase gives it to one episode in ``render_every``; later ticks show
     the arm's first motion, which a policy learns to follow instead: docs/policy-experiments.md).
+    ``render_every`` 0 renders only the ticks before ``render_first``: with 1, one frame per
+    episode, its tick 0, and the actions after it (many scenes for the cost of one render each).
     """
     if steps < 1:
         raise SimError(f"steps must be >= 1, got {steps}")
-    if render_every < 1 or render_first < 0:
-        raise SimError(f"render_every must be >= 1 and render_first >= 0, got {render_every} and {render_first}")
-    phase = episode % render_every
+    if render_every < 0 or render_first < 0 or render_every == render_first == 0:
+        raise SimError(
+            f"render_every and render_first must be >= 0 and not both 0 (that renders nothing), got {render_every} and {render_first}"
+        )
+    phase = episode % render_every if render_every else 0
 
     def cams_at(t: int) -> Sequence[str] | None:
-        return cameras if t < steps and (t < render_first or (t - phase) % render_every == 0) else ()
+        periodic = render_every > 0 and (t - phase) % render_every == 0
+        return cameras if t < steps and (t < render_first or periodic) else ()
 
     offsets = _completed_draw(sim, seed, steps, noise) if noise is not None and noise.std > 0 else None
     obs = sim.reset(seed, cameras=cams_at(0))
