@@ -46,6 +46,9 @@ VAL_EPISODES=${VAL_EPISODES:-8}
 BAG_TIMEOUT=${BAG_TIMEOUT:-$(( 60 * EPISODES_PER_BAG + 60 ))}
 DEVICE=${DEVICE:-cuda}
 INIT_FROM=${INIT_FROM:-bundles/transfer_cube-smolvla}
+# 1: train with INIT_FROM's normalization statistics (train --init-norm): the tick-0 scenes' actions,
+# the reach alone, would shift the data's by up to 0.8 std and so move every output of the start.
+INIT_NORM=${INIT_NORM:-1}
 RUN=${RUN:-run}
 TRAIN_ARGS=${TRAIN_ARGS:---family smolvla --size mini --cameras cam_high,cam_left_wrist,cam_right_wrist --image-size 512 --patch-size 64 --no-state --batch 128 --lr 1e-4 --warmup-steps 100 --epochs 100 --threads 2 --loader-threads 6 --checkpoint-every 250 --keep-every 250}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}           # appended to TRAIN_ARGS: a later flag overrides an earlier one
@@ -67,6 +70,7 @@ LOG_NAME=run.log
 . "$(dirname "$0")/gpu_env.sh"
 INIT=()
 [ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
+[ -n "$INIT_FROM" ] && [ "$INIT_NORM" = 1 ] && INIT+=(--init-norm)
 record() {  # SEED EPISODES OUT [NOISE]: one bag, under a timeout, its output in the log
   timeout -k 10 "$BAG_TIMEOUT" "${VLA[@]}" sim record --task "$TASK" --episodes "$2" --seed "$1" \
     --cameras "$CAMERAS" --render-every "$RENDER_EVERY" --render-first "$RENDER_FIRST" "${STEP_ARGS[@]}" --action-noise "${4:-0}" \

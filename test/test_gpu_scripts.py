@@ -55,6 +55,7 @@ def test_the_gpu_script_records_trains_from_the_shipped_bundle_and_packs_what_co
     final, shipped = load_bundle(tmp_path / "back" / "final"), load_bundle(ROOT / "bundles" / "transfer_cube-smolvla")
     assert final.spec.family == "smolvla" and final.spec.cameras == shipped.spec.cameras
     assert final.state_dict.keys() == shipped.state_dict.keys()
+    assert final.spec.norm_stats == shipped.spec.norm_stats  # INIT_NORM=1: the start's, not the new data's
     # It trained from the shipped weights: two steps move them a little, not to a new init.
     name = next(k for k, v in shipped.state_dict.items() if v.ndim == 2 and "vision" in k)
     diff = (final.state_dict[name].float() - shipped.state_dict[name].float()).abs().max().item()

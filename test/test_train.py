@@ -4,6 +4,7 @@ deterministic and resumable runs, bundles every path can load."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -298,6 +299,7 @@ def test_a_smolvla_trains_here_without_the_state_and_loads_as_lerobots_architect
     --keep-every keeps each step's weights as a bundle of their own, the tokenizer included."""
     from safetensors.torch import load_file
 
+    from vla_accel_ros.core.bundle import read_spec
     from vla_accel_ros.io.bag_reader import BagReader
     from vla_accel_ros.models.factory import load_policy
 
@@ -316,6 +318,17 @@ def test_a_smolvla_trains_here_without_the_state_and_loads_as_lerobots_architect
     # A bundle trained without the state takes it on: its zero projection trains from the start.
     taught = tmp_path / "taught"
     assert main(common + ["--out", str(taught), "--max-steps", "2", "--init-from", str(blind), "--state-dropout", "0.5"]) == 0
+    # --init-norm: the start's statistics, not the data's (here made unlike the data's on purpose).
+    start = tmp_path / "start"
+    shutil.copytree(blind, start)
+    raw = json.loads((start / "config.json").read_text())
+    raw["norm_stats"]["action"]["mean"] = [m + 0.5 for m in raw["norm_stats"]["action"]["mean"]]
+    (start / "config.json").write_text(json.dumps(raw))
+    kept_norm = tmp_path / "kept_norm"
+    assert main(common + ["--out", str(kept_norm), "--max-steps", "1", "--no-state", "--init-from", str(start), "--init-norm"]) == 0
+    assert read_spec(kept_norm).norm_stats == raw["norm_stats"] != read_spec(blind).norm_stats
+    with pytest.raises(Exception, match="init_norm=True takes the statistics of the init_from bundle, and init_from is ''"):
+        TrainConfig(family="smolvla", init_norm=True)
     kept = sorted(p.name for p in (seeing / "steps").iterdir())
     assert kept == ["0000001", "0000002"]
     assert (seeing / "steps" / "0000001" / "tokenizer" / "tokenizer.json").is_file()

@@ -79,6 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning", default="", metavar="TASK",
                    help="ar: train a reasoning policy on TASK's templated reasoning (e.g. transfer_cube)")
     p.add_argument("--init-from", default="", metavar="BUNDLE", help="start from this bundle's weights (same module shapes)")
+    p.add_argument("--init-norm", action="store_true",
+                   help="with --init-from: normalize with that bundle's statistics, not the data's (for data unlike "
+                   "the start's, e.g. many tick-0 scenes; default: the data's, as a LeRobot fine-tune does)")
     p.add_argument("--max-steps", type=int, default=d.max_steps,
                    help="stop at a checkpoint at this optimizer step (0: no limit); --resume continues")
     p.add_argument("--max-minutes", type=float, default=d.max_minutes,
@@ -115,6 +118,7 @@ def _train(args: argparse.Namespace) -> int:
         loader_threads=args.loader_threads, read_workers=args.read_workers, fit_minutes=args.fit_minutes,
         device=args.device, device_frames_gib=args.device_frames_gib, checkpoint_every=args.checkpoint_every, keep_every=args.keep_every,
         save_dtype=args.save_dtype, name=args.name, reasoning=args.reasoning, init_from=args.init_from,
+        init_norm=args.init_norm,
     )  # fmt: skip
     if args.train_episodes < 0:
         raise ConfigError(f"--train-episodes must be >= 0, got {args.train_episodes}")

@@ -115,6 +115,11 @@ class TrainConfig(Config):
         "", doc="ar: write the task's templated reasoning before the actions (a task name, e.g. transfer_cube; '': none)"
     )
     init_from: str = param("", doc="start from the weights of this bundle (same module shapes; '': random init)")
+    init_norm: bool = param(
+        False, doc="with init_from: normalize with that bundle's statistics, not the data's. Data unlike the start's "
+        "(many tick-0 scenes: their 50 actions each are the reach) shift the data's by up to 0.8 std, which moves "
+        "every output of the start's weights (default: the data's, as a LeRobot fine-tune takes its dataset's)",
+    )  # fmt: skip
     max_steps: int = param(
         0, doc="stop at this optimizer step, at a checkpoint (0: run every epoch); --resume goes on", range=(0, 10**9)
     )
@@ -138,6 +143,8 @@ class TrainConfig(Config):
                               f"use one of {', '.join(family_names(can='train'))}")  # fmt: skip
         if self.reasoning and not family.writes_reasoning:
             raise ConfigError(f"TrainConfig.reasoning={self.reasoning!r}: the {self.family} family writes no reasoning")
+        if self.init_norm and not self.init_from:
+            raise ConfigError("TrainConfig.init_norm=True takes the statistics of the init_from bundle, and init_from is ''")
         if self.state_dropout and not self.state:
             raise ConfigError(f"TrainConfig.state_dropout={self.state_dropout} needs the state input (state=True)")
         if self.conv_stem or self.image_size or self.patch_size:  # before hours of reading bags: a stem must divide the patch
@@ -213,7 +220,7 @@ class Trainer:
             template = template_for(cfg.reasoning)
         self.train_set = ChunkDataset(train_eps, chunk, cfg.frame_stride, reasoning=template)
         self.val_set = ChunkDataset(val_eps, chunk, cfg.frame_stride, reasoning=template) if val_eps else None
-        self.stats: DataStats = compute_stats(train_eps)
+        self.stats: DataStats = self._start_stats(cfg, train_eps[0].actions.shape[1]) if cfg.init_norm else compute_stats(train_eps)
         # What --state-dropout puts in place of a dropped state (once, not per step).
         self._state_mean = torch.as_tensor(self.stats.state["mean"], dtype=torch.float32) if self.stats.state else None
         instruction = self.train_set.instruction
@@ -297,6 +304,20 @@ class Trainer:
             raise ConfigError(f"TrainConfig.device_frames_gib={self.cfg.device_frames_gib:g}: {gib:.1f} GiB of frames do "
                               f"not fit on {self.device} ({e}); lower it below what the device has free") from e  # fmt: skip
         print(f"frames: {gib:.1f} GiB unpacked onto {self.device} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+    @staticmethod
+    def _start_stats(cfg: TrainConfig, action_dim: int) -> DataStats:
+        from vla_accel_ros.core.bundle import read_spec
+
+        ns = read_spec(cfg.init_from).norm_stats or {}
+        need = ("action", "state") if cfg.state or get_family(cfg.family).state_required else ("action",)
+        if any(k not in ns for k in need):
+            raise ConfigError(f"TrainConfig.init_norm=True: {cfg.init_from} has no normalization statistics for "
+                              f"{' and '.join(need)} (it has: {', '.join(ns) or 'none'})")  # fmt: skip
+        if len(ns["action"]["mean"]) != action_dim:
+            raise ConfigError(f"TrainConfig.init_norm=True: {cfg.init_from} normalizes {len(ns['action']['mean'])} action "
+                              f"dimensions, the data has {action_dim}")  # fmt: skip
+        return DataStats(action=ns["action"], state=ns.get("state") if "state" in need else None)
 
     def _init_from(self, model: torch.nn.Module, path: str) -> None:
         from vla_accel_ros.core.bundle import load_bundle
