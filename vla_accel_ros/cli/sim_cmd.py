@@ -65,17 +65,16 @@ def _record(args: argparse.Namespace) -> int:
     from vla_accel_ros.io.bag_file import bag_size_bytes
     from vla_accel_ros.io.bag_writer import BagWriter
     from vla_accel_ros.io.sim_recorder import FrameRecorder
-    from vla_accel_ros.sim import ActionNoise, SimConfig, scripted_frames
+    from vla_accel_ros.sim import ActionNoise, SimConfig, SimError, scripted_frames
+    from vla_accel_ros.sim.episodes import check_rendering
 
     cameras = tuple(c.strip() for c in args.cameras.split(",") if c.strip())
     if args.episodes < 1 or args.steps < 1:
         raise ConfigError(f"--episodes and --steps must be >= 1, got {args.episodes} and {args.steps}")
-    if args.render_every < 0 or args.render_first < 0:
-        raise ConfigError(
-            f"--render-every and --render-first must be >= 0, got {args.render_every} and {args.render_first}"
-        )
-    if args.render_every == args.render_first == 0:
-        raise ConfigError("--render-every 0 renders only the ticks before --render-first, which is 0: nothing would be rendered")
+    try:
+        check_rendering(args.render_every, args.render_first)
+    except SimError as e:
+        raise ConfigError(f"--render-every {args.render_every} / --render-first {args.render_first}: {e}") from None
     # Validate before the bag directory exists (the frame generator starts lazily).
     SimConfig(task=args.task, cameras=cameras, height=args.height, width=args.width)
     try:

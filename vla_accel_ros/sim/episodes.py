@@ -70,6 +70,14 @@ class Frame:
     instruction: str
 
 
+def check_rendering(render_every: int, render_first: int) -> None:
+    """Refuse a rendering rule that is negative or renders nothing (see :func:`scripted_episode_frames`)."""
+    if render_every < 0 or render_first < 0 or render_every == render_first == 0:
+        raise SimError(
+            f"render_every and render_first must be >= 0 and not both 0 (that renders nothing), got {render_every} and {render_first}"
+        )
+
+
 def scripted_episode_frames(
     sim: AlohaSim,
     seed: int,
@@ -98,10 +106,7 @@ def scripted_episode_frames(
     """
     if steps < 1:
         raise SimError(f"steps must be >= 1, got {steps}")
-    if render_every < 0 or render_first < 0 or render_every == render_first == 0:
-        raise SimError(
-            f"render_every and render_first must be >= 0 and not both 0 (that renders nothing), got {render_every} and {render_first}"
-        )
+    check_rendering(render_every, render_first)
     phase = episode % render_every if render_every else 0
 
     def cams_at(t: int) -> Sequence[str] | None:

@@ -220,7 +220,13 @@ class Trainer:
             template = template_for(cfg.reasoning)
         self.train_set = ChunkDataset(train_eps, chunk, cfg.frame_stride, reasoning=template)
         self.val_set = ChunkDataset(val_eps, chunk, cfg.frame_stride, reasoning=template) if val_eps else None
-        self.stats: DataStats = self._start_stats(cfg, train_eps[0].actions.shape[1]) if cfg.init_norm else compute_stats(train_eps)
+        if cfg.init_norm:  # read_spec validated them; a mismatched start fails _init_from's shape check below
+            from vla_accel_ros.core.bundle import read_spec
+
+            start = read_spec(cfg.init_from).norm_stats
+            self.stats: DataStats = DataStats(action=start["action"], state=start.get("state"))
+        else:
+            self.stats = compute_stats(train_eps)
         # What --state-dropout puts in place of a dropped state (once, not per step).
         self._state_mean = torch.as_tensor(self.stats.state["mean"], dtype=torch.float32) if self.stats.state else None
         instruction = self.train_set.instruction
@@ -304,20 +310,6 @@ class Trainer:
             raise ConfigError(f"TrainConfig.device_frames_gib={self.cfg.device_frames_gib:g}: {gib:.1f} GiB of frames do "
                               f"not fit on {self.device} ({e}); lower it below what the device has free") from e  # fmt: skip
         print(f"frames: {gib:.1f} GiB unpacked onto {self.device} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-
-    @staticmethod
-    def _start_stats(cfg: TrainConfig, action_dim: int) -> DataStats:
-        from vla_accel_ros.core.bundle import read_spec
-
-        ns = read_spec(cfg.init_from).norm_stats or {}
-        need = ("action", "state") if cfg.state or get_family(cfg.family).state_required else ("action",)
-        if any(k not in ns for k in need):
-            raise ConfigError(f"TrainConfig.init_norm=True: {cfg.init_from} has no normalization statistics for "
-                              f"{' and '.join(need)} (it has: {', '.join(ns) or 'none'})")  # fmt: skip
-        if len(ns["action"]["mean"]) != action_dim:
-            raise ConfigError(f"TrainConfig.init_norm=True: {cfg.init_from} normalizes {len(ns['action']['mean'])} action "
-                              f"dimensions, the data has {action_dim}")  # fmt: skip
-        return DataStats(action=ns["action"], state=ns.get("state") if "state" in need else None)
 
     def _init_from(self, model: torch.nn.Module, path: str) -> None:
         from vla_accel_ros.core.bundle import load_bundle
