@@ -263,13 +263,15 @@ def test_train_cli_image_grid_and_time_budget(demo_bag, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("shift", [0, 4])
-def test_a_frozen_tower_keeps_its_weights_and_its_tokens_computed_once_give_the_loss_of_the_pixels(episodes, tmp_path, shift):
+def test_a_frozen_tower_keeps_its_weights_and_its_tokens_computed_once_give_the_loss_of_the_pixels(episodes, tmp_path, shift, capsys):
     """--freeze-vision: the tower and connector never change while the rest trains; without the
-    shift each frame's tokens are computed once and a batch carries them instead of frames, for
-    the loss the frames would give; with the shift the frozen tower runs in every step."""
+    shift each frame's tokens are computed once (no progress bar when progress is off, as
+    --no-progress asks) and a batch carries them instead of frames, for the loss the frames would
+    give; with the shift the frozen tower runs in every step."""
     cfg = TrainConfig(family="flow", size="tiny", chunk_size=4, epochs=2, batch_size=4, val_episodes=1, shift=shift,
                       threads=1, checkpoint_every=0, bf16=False)  # fmt: skip
-    trainer = Trainer(cfg.replace(freeze_vision=True), episodes, tmp_path)
+    trainer = Trainer(cfg.replace(freeze_vision=True), episodes, tmp_path, progress=False)
+    assert "image tokens" not in capsys.readouterr().err
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     batch = trainer.train_set.batch(np.arange(4))
     assert (batch.image_tokens is not None and batch.frames is None) == (shift == 0)

@@ -143,7 +143,7 @@ def _train(args: argparse.Namespace) -> int:
     frames = sum(len(e) for e in episodes)
     print(f"read {len(episodes)} episodes, {frames} frames in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     task = _task_name(episodes[0].instruction)
-    trainer = Trainer(cfg, episodes, out, task=task, started=t0)
+    trainer = Trainer(cfg, episodes, out, task=task, started=t0, progress=progress)
     if args.resume:
         trainer.load_checkpoint()
         print(f"resumed at step {trainer.step} of {trainer.total_steps}", file=sys.stderr)
@@ -154,7 +154,7 @@ def _train(args: argparse.Namespace) -> int:
         f"{len(trainer.val_set) if trainer.val_set else 0} validation samples, {trainer.total_steps} steps",
         file=sys.stderr,
     )
-    result = trainer.run(progress=progress)
+    result = trainer.run()
     path = trainer.save_bundle()
     summary = {
         "bundle": str(path), "steps": result.steps, "epochs": result.epochs, "seconds": round(result.seconds, 1),

@@ -197,11 +197,14 @@ FIT_SKIP, FIT_PROBE = 10, 40
 
 class Trainer:
     def __init__(
-        self, cfg: TrainConfig, episodes: list[Episode], out: Path, *, task: str = "", started: float | None = None
+        self, cfg: TrainConfig, episodes: list[Episode], out: Path, *, task: str = "", started: float | None = None,
+        progress: bool = True,
     ) -> None:  # fmt: skip
         """``started``: ``time.perf_counter()`` when the run began (reading the bags included),
-        what ``fit_minutes`` counts from (default: now)."""
+        what ``fit_minutes`` counts from (default: now). ``progress``: progress bars (the frozen
+        tower's tokens, then the steps; ``run`` may override it)."""
         self.started = time.perf_counter() if started is None else started
+        self.progress = progress
         from vla_accel_ros.core.policy_config import PolicyConfig
         from vla_accel_ros.models.factory import build_model, build_policy, demo_spec
 
@@ -286,7 +289,8 @@ class Trainer:
         from tqdm import tqdm
 
         out = []
-        for e in tqdm(data.episodes, desc="image tokens", unit="episode", file=sys.stderr, leave=False):
+        for e in tqdm(data.episodes, desc="image tokens", unit="episode", file=sys.stderr, leave=False,
+                      disable=not self.progress):
             chunks = []
             for i in range(0, len(e), 16):
                 frames = torch.from_numpy(np.stack([e.frames[t] for t in range(i, min(len(e), i + 16))])).to(self.device)
@@ -431,10 +435,11 @@ class Trainer:
             self.model.vis.eval()
         return total / max(1, n)
 
-    def run(self, *, progress: bool = True) -> TrainResult:
+    def run(self, *, progress: bool | None = None) -> TrainResult:
         from tqdm import tqdm
 
         cfg = self.cfg
+        progress = self.progress if progress is None else progress
         t0 = time.perf_counter()
         first_epoch = self.step // self.steps_per_epoch
         self.out.mkdir(parents=True, exist_ok=True)
