@@ -4,6 +4,7 @@ deterministic and resumable runs, bundles every path can load."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -331,6 +332,14 @@ def test_a_smolvla_trains_here_without_the_state_and_loads_as_lerobots_architect
     assert read_spec(kept_norm).norm_stats == raw["norm_stats"] != read_spec(blind).norm_stats
     with pytest.raises(Exception, match="init_norm=True takes the statistics of the init_from bundle, and init_from is ''"):
         TrainConfig(family="smolvla", init_norm=True)
+    # A start the loader's shape rule refuses (a coarser token grid reshapes the connector) leaves
+    # --out as it found it, so the corrected command reruns there.
+    coarse = tmp_path / "coarse"
+    capsys.readouterr()
+    assert main(common + ["--out", str(coarse), "--no-state", "--init-from", str(blind), "--patch-size", "64"]) == 2
+    assert re.search(r"vis\.connector\.\S+ has shape", capsys.readouterr().err)
+    assert coarse.is_dir() and not any(coarse.iterdir())
+    assert main(common + ["--out", str(coarse), "--no-state", "--patch-size", "64", "--max-steps", "1"]) == 0
     kept = sorted(p.name for p in (seeing / "steps").iterdir())
     assert kept == ["0000001", "0000002"]
     assert (seeing / "steps" / "0000001" / "tokenizer" / "tokenizer.json").is_file()

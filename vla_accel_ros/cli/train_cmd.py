@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -143,7 +144,13 @@ def _train(args: argparse.Namespace) -> int:
     frames = sum(len(e) for e in episodes)
     print(f"read {len(episodes)} episodes, {frames} frames in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     task = _task_name(episodes[0].instruction)
-    trainer = Trainer(cfg, episodes, out, task=task, started=t0, progress=progress)
+    try:
+        trainer = Trainer(cfg, episodes, out, task=task, started=t0, progress=progress)
+    except Exception:
+        if not args.resume:  # --out was new or empty (checked above): a refused start leaves it so, for the rerun
+            for p in out.iterdir():
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        raise
     if args.resume:
         trainer.load_checkpoint()
         print(f"resumed at step {trainer.step} of {trainer.total_steps}", file=sys.stderr)
