@@ -116,11 +116,11 @@ def test_stored_frames_give_the_packed_batch(episodes):
 def test_frames_on_the_device_train_the_same_weights_and_a_low_limit_keeps_them_packed(episodes, tmp_path, capsys):
     cfg = TrainConfig(family="flow", size="tiny", chunk_size=4, epochs=1, batch_size=4, val_episodes=1, shift=4,
                       threads=1, checkpoint_every=0)  # fmt: skip
-    plain = Trainer(cfg, episodes, tmp_path / "plain")
-    stored = Trainer(cfg.replace(device_frames_gib=1.0), episodes, tmp_path / "stored")
+    plain = Trainer(cfg, episodes, tmp_path / "plain", progress=False)
+    stored = Trainer(cfg.replace(device_frames_gib=1.0), episodes, tmp_path / "stored", progress=False)
     assert plain.train_set.frame_store is None and stored.train_set.frame_store is not None
     for t in (plain, stored):
-        t.run(progress=False)
+        t.run()
     assert all(torch.equal(v, stored.model.state_dict()[k]) for k, v in plain.model.state_dict().items())
     capsys.readouterr()
     low = Trainer(cfg.replace(device_frames_gib=1e-6), episodes, tmp_path / "low")
@@ -164,9 +164,9 @@ def test_a_policy_without_state_input_trains_and_loads(episodes, tmp_path):
 
     cfg = TrainConfig(family="flow", size="tiny", chunk_size=4, epochs=1, batch_size=4, val_episodes=1, state=False,
                       threads=1, save_dtype="float32")  # fmt: skip
-    trainer = Trainer(cfg, episodes, tmp_path)
+    trainer = Trainer(cfg, episodes, tmp_path, progress=False)
     assert trainer.spec.state_dim == 0 and trainer.model.state_proj is None
-    trainer.run(progress=False)
+    trainer.run()
     trainer.save_bundle()
     policy = load_policy(tmp_path)  # the parity gate runs on the stateless layout
     assert policy.spec.state_dim == 0 and policy.parity_report.passed
@@ -200,12 +200,12 @@ def test_background_batches_train_the_same_weights_as_the_loop(episodes, tmp_pat
                       threads=1, checkpoint_every=0)  # fmt: skip
     weights = {}
     for threads in (0, 2):
-        trainer = Trainer(cfg.replace(loader_threads=threads), episodes, tmp_path / f"t{threads}")
-        trainer.run(progress=False)
+        trainer = Trainer(cfg.replace(loader_threads=threads), episodes, tmp_path / f"t{threads}", progress=False)
+        trainer.run()
         weights[threads] = trainer.model.state_dict()
     assert all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
-    stopped = Trainer(cfg.replace(loader_threads=2, max_steps=1), episodes, tmp_path / "stopped")
-    assert stopped.run(progress=False).steps == 1
+    stopped = Trainer(cfg.replace(loader_threads=2, max_steps=1), episodes, tmp_path / "stopped", progress=False)
+    assert stopped.run().steps == 1
 
 
 def test_train_cli_bundle_loads_passes_parity_and_resumes_exactly(demo_bag, tmp_path, capsys):
@@ -285,7 +285,7 @@ def test_a_frozen_tower_keeps_its_weights_and_its_tokens_computed_once_give_the_
         assert via_tokens == pytest.approx(via_frames, rel=1e-5)
         with pytest.raises(Exception, match="cannot be shifted"):
             trainer.train_set.batch(np.arange(4), shift=2)
-    trainer.run(progress=False)
+    trainer.run()
     end = trainer.model.state_dict()
     vision = [k for k in end if k.startswith("vis.")]
     assert vision and all(torch.equal(start[k], end[k]) for k in vision)

@@ -202,7 +202,7 @@ class Trainer:
     ) -> None:  # fmt: skip
         """``started``: ``time.perf_counter()`` when the run began (reading the bags included),
         what ``fit_minutes`` counts from (default: now). ``progress``: progress bars (the frozen
-        tower's tokens, then the steps; ``run`` may override it)."""
+        tower's tokens, then the steps)."""
         self.started = time.perf_counter() if started is None else started
         self.progress = progress
         from vla_accel_ros.core.policy_config import PolicyConfig
@@ -435,11 +435,11 @@ class Trainer:
             self.model.vis.eval()
         return total / max(1, n)
 
-    def run(self, *, progress: bool | None = None) -> TrainResult:
+    def run(self) -> TrainResult:
         from tqdm import tqdm
 
         cfg = self.cfg
-        progress = self.progress if progress is None else progress
+        progress = self.progress
         t0 = time.perf_counter()
         first_epoch = self.step // self.steps_per_epoch
         self.out.mkdir(parents=True, exist_ok=True)
