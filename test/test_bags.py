@@ -304,6 +304,10 @@ def test_cli_record_and_inspect(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "b").exists()
     assert main(["sim", "record", "--task", "insertion", "--out", str(tmp_path / "b"), "--action-noise", "0.5"]) == 2
     assert "--action-noise 0.5" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    for bad in (["--detour", "10,45"], ["--task", "transfer_cube", "--detour", "50,60"], ["--task", "transfer_cube", "--detour", "9"]):
+        args = ["sim", "record", "--task", "insertion", "--out", str(tmp_path / "b"), *bad]
+        assert main(args) == 2
+        assert "--detour" in capsys.readouterr().err and not (tmp_path / "b").exists()
     assert main(["bag", "inspect", str(tmp_path / "missing")]) == 2
 
 

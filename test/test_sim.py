@@ -12,6 +12,7 @@ from vla_accel_ros.sim import (  # noqa: E402
     DT,
     ActionNoise,
     AlohaSim,
+    Detour,
     ScriptedExpert,
     SimConfig,
     SimError,
@@ -200,6 +201,49 @@ def test_action_noise_offsets_are_held_arm_joint_offsets_of_the_seed() -> None:
         ActionNoise(std=-0.01)
     with pytest.raises(ConfigError, match="hold"):
         ActionNoise(std=0.01, hold=0)
+
+
+def test_detour_draws_a_decoy_off_the_cube_and_a_switch_tick_of_the_seed() -> None:
+    detour = Detour(first=10, last=45)
+    cube = np.array([0.1, 0.5])
+    draws = [detour.draw(seed=s, attempt=0, cube_xy=cube) for s in range(50)]
+    for decoy, switch in draws:
+        assert 10 <= switch <= 45
+        assert 0.0 <= decoy[0] <= 0.2 and 0.4 <= decoy[1] <= 0.6  # the cube's own range
+        assert np.linalg.norm(decoy - cube) >= detour.min_offset
+    assert len({s for _, s in draws}) > 10  # the switch varies by seed
+    again, other = detour.draw(seed=3, attempt=0, cube_xy=cube), detour.draw(seed=3, attempt=1, cube_xy=cube)
+    np.testing.assert_array_equal(again[0], draws[3][0])
+    assert again[1] == draws[3][1] and (other[0] != again[0]).any()
+    assert not Detour().enabled and detour.enabled
+    for first, last in ((0, 5), (20, 10), (10, 46)):
+        with pytest.raises(ConfigError, match="first|last"):
+            Detour(first=first, last=last)
+    with pytest.raises(SimError, match="transfer_cube only"):
+        ScriptedExpert("insertion", seed=0, object_qpos=sample_object_qpos("insertion", 0), detour=(cube, 20))
+
+
+def test_detour_renders_from_the_switch_the_arm_off_the_cube_turning_to_it() -> None:
+    """Recovery demonstrations: before the switch the right arm heads for the decoy and nothing
+    is rendered (those actions must not be learnt); from the switch the frames show the arm off
+    the clean path and the actions bring it to the cube; the episode succeeds."""
+    sim = AlohaSim(SimConfig(task="transfer_cube", cameras=("top",), height=H, width=W))
+    detour = Detour(first=20, last=20)
+    clean = list(scripted_episode_frames(sim, seed=2, render_every=100))
+    frames = list(scripted_episode_frames(sim, seed=2, render_every=10, detour=detour, episode=3))
+    assert frames[-1].success and len(frames) == 300
+    rendered = [f.step for f in frames if f.images]
+    assert rendered == list(range(23, 300, 10))  # from the switch, the episode's phase (3) after it
+    def off(t: int, what: str) -> float:  # the right arm's largest joint difference to the clean episode
+        return float(np.abs(getattr(frames[t], what)[7:13] - getattr(clean[t], what)[7:13]).max())
+
+    assert off(20, "qpos") > 0.3  # heading for the decoy until the switch
+    assert off(60, "action") > 0.05  # turning back...
+    assert off(90, "action") < 0.01  # ...over the cube by the grasp (a switch at 20 needs no delay)
+    first = list(scripted_episode_frames(sim, seed=2, render_every=0, render_first=2, detour=detour))
+    assert [f.step for f in first if f.images] == [20, 21]  # render_first counts from the switch too
+    with pytest.raises(SimError, match="either"):
+        next(scripted_episode_frames(sim, seed=2, noise=ActionNoise(std=0.01), detour=detour))
 
 
 @pytest.mark.slow

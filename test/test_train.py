@@ -315,7 +315,9 @@ def test_a_smolvla_trains_here_without_the_state_and_loads_as_lerobots_architect
               "--read-workers", "2", "--no-progress", "--save-dtype", "float32", "--epochs", "50"]  # fmt: skip
     blind, seeing = tmp_path / "blind", tmp_path / "seeing"
     assert main(common + ["--out", str(blind), "--no-state", "--fit-minutes", "1e-3"]) == 0
-    assert "--fit-minutes 0.001: " in capsys.readouterr().err  # the probe's steps, then the fitted end
+    err = capsys.readouterr().err
+    assert "--fit-minutes 0.001: " in err  # the probe's steps, then the fitted end
+    assert "of the 0.001 minutes" in err  # and how much of the window reading took
     assert (blind / "tokenizer" / "tokenizer.json").is_file()
     assert main(common + ["--out", str(seeing), "--max-steps", "2", "--keep-every", "1"]) == 0
     # A bundle trained without the state takes it on: its zero projection trains from the start.

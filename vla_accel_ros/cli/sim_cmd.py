@@ -47,6 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "is checked to still complete the task first (default 0: none)",
     )  # fmt: skip
     r.add_argument("--noise-hold", type=int, default=25, metavar="N", help="ticks each --action-noise offset is held (25 = 0.5 s)")
+    r.add_argument(
+        "--detour", default=None, metavar="FIRST,LAST",
+        help="transfer_cube recovery demonstrations: the right arm first reaches for a decoy drawn from the cube's "
+        "range, then at a tick drawn from FIRST..LAST (1..45) turns to the cube; rendering starts at that tick "
+        "(both rendering rules count from it), so the frames show the arm off the cube and the actions that bring "
+        "it there. Each draw is checked to complete the task first (default: none)",
+    )  # fmt: skip
     r.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap", help="sqlite3 for Humble robots")
     r.add_argument(
         "--no-compress", action="store_true",
@@ -65,7 +72,7 @@ def _record(args: argparse.Namespace) -> int:
     from vla_accel_ros.io.bag_file import bag_size_bytes
     from vla_accel_ros.io.bag_writer import BagWriter
     from vla_accel_ros.io.sim_recorder import FrameRecorder
-    from vla_accel_ros.sim import ActionNoise, SimConfig, SimError, scripted_frames
+    from vla_accel_ros.sim import ActionNoise, Detour, SimConfig, SimError, scripted_frames
     from vla_accel_ros.sim.episodes import check_rendering
 
     cameras = tuple(c.strip() for c in args.cameras.split(",") if c.strip())
@@ -81,16 +88,18 @@ def _record(args: argparse.Namespace) -> int:
         noise = ActionNoise(std=args.action_noise, hold=args.noise_hold)
     except ConfigError as e:
         raise ConfigError(f"--action-noise {args.action_noise} / --noise-hold {args.noise_hold}: {e}") from None
+    detour = _detour(args.detour, args.task, noise)
     frames = scripted_frames(
         args.task, args.episodes, seed=args.seed, steps=args.steps,
         cameras=cameras, height=args.height, width=args.width, render_every=args.render_every, noise=noise,
-        render_first=args.render_first,
+        render_first=args.render_first, detour=detour,
     )  # fmt: skip
     start_ns = time.time_ns() if args.start_time is None else int(args.start_time * 1e9)
     print(
         f"recording {args.episodes} x {args.steps} steps of {args.task} (cameras {', '.join(cameras)}, "
         f"{args.width}x{args.height}) to {args.out} [{args.storage}]"
-        + (f", commands with {noise.std:g} rad of noise held {noise.hold} ticks" if noise.std > 0 else ""),
+        + (f", commands with {noise.std:g} rad of noise held {noise.hold} ticks" if noise.std > 0 else "")
+        + (f", detours switching at ticks {detour.first}..{detour.last}" if detour is not None else ""),
         file=sys.stderr,
     )
     t0 = time.perf_counter()
@@ -111,3 +120,24 @@ def _record(args: argparse.Namespace) -> int:
         f"in {seconds:.1f} s ({rec.ticks / seconds:.1f} frames/s); {args.out}: {size / 2**20:.1f} MiB"
     )
     return 0
+
+
+def _detour(spec: str | None, task: str, noise):
+    """``--detour FIRST,LAST`` as a :class:`~vla_accel_ros.sim.Detour` (None without the flag)."""
+    from vla_accel_ros.core.errors import ConfigError
+    from vla_accel_ros.sim import Detour
+
+    if spec is None:
+        return None
+    if task != "transfer_cube":
+        raise ConfigError(f"--detour {spec}: detours are scripted for transfer_cube only, not {task}")
+    if noise.std > 0:
+        raise ConfigError(f"--detour {spec} with --action-noise {noise.std:g}: a recording takes one or the other")
+    try:
+        first, last = (int(v) for v in spec.split(","))
+    except ValueError:
+        raise ConfigError(f"--detour {spec!r}: two ticks FIRST,LAST, e.g. 10,45") from None
+    try:
+        return Detour(first=first, last=last)
+    except ConfigError as e:
+        raise ConfigError(f"--detour {spec}: {e}") from None

@@ -31,7 +31,7 @@ from vla_accel_ros.sim.aloha import (
     SimObservation,
     sample_object_qpos,
 )
-from vla_accel_ros.sim.episodes import ActionNoise, Frame, ScriptedTrajectory, scripted_episode_frames, scripted_frames, scripted_trajectory
+from vla_accel_ros.sim.episodes import ActionNoise, Detour, Frame, ScriptedTrajectory, scripted_episode_frames, scripted_frames, scripted_trajectory
 from vla_accel_ros.sim.scripted import ScriptedExpert
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "TASKS",
     "ActionNoise",
     "AlohaSim",
+    "Detour",
     "EpisodeResult",
     "Frame",
     "MocapSim",

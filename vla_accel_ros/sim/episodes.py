@@ -13,9 +13,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from vla_accel_ros.core.config import Config, param
+from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.robot.config import ALOHA_GRIPPERS
-from vla_accel_ros.sim.aloha import DT, EPISODE_STEPS, AlohaSim, EpisodeResult, SimConfig, SimError
-from vla_accel_ros.sim.scripted import ScriptedExpert
+from vla_accel_ros.sim.aloha import DT, EPISODE_STEPS, TASKS, AlohaSim, EpisodeResult, SimConfig, SimError
+from vla_accel_ros.sim.scripted import ScriptedExpert, TransferCubeScript
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,47 @@ class ActionNoise(Config):
         held = rng.normal(0.0, self.std, size=(-(-steps // self.hold), 14))
         held[:, ALOHA_GRIPPERS] = 0.0
         return np.repeat(held, self.hold, axis=0)[:steps]
+
+
+@dataclass(frozen=True)
+class Detour(Config):
+    """Recovery demonstrations: the expert first reaches for a decoy, then turns to the cube.
+
+    A policy that reads where its arm is going from the arm in the images reaches for where the
+    cube usually is; once off, it has never seen the arm anywhere but over the cube, so nothing
+    tells it to turn (docs/policy-experiments.md). With ``first`` > 0 the right arm of each
+    transfer_cube episode heads for a decoy drawn from the cube's own range (at least
+    ``min_offset`` from the cube) until a switch tick drawn from ``first..last``, then for the
+    cube, its later schedule delayed as far as the turn needs. Nothing before the switch is
+    rendered (its actions lead to the decoy and must not be learnt): each episode's frames start
+    at the switch, with the arm somewhere off the cube and actions that bring it there. Like
+    :class:`ActionNoise`, each draw is played without rendering first and the next is tried when
+    the expert fails, up to ``attempts``; then the episode is recorded without a detour.
+    """
+
+    first: int = param(0, doc="earliest switch tick (0: no detour)", range=(0, TransferCubeScript.latest_switch))
+    last: int = param(0, doc="latest switch tick (>= first)", range=(0, TransferCubeScript.latest_switch))
+    min_offset: float = param(0.04, doc="least distance of the decoy from the cube in m", range=(0.0, 0.2))
+    attempts: int = param(5, doc="draws tried per episode before it is recorded without a detour", range=(1, 100))
+
+    def validate(self) -> None:
+        if self.first > self.last or (self.last > 0 and self.first == 0):
+            raise ConfigError(f"detour ticks first={self.first}, last={self.last}: need 1 <= first <= last "
+                              f"<= {TransferCubeScript.latest_switch}, or both 0 (no detour)")  # fmt: skip
+
+    @property
+    def enabled(self) -> bool:
+        return self.first > 0
+
+    def draw(self, seed: int, attempt: int, cube_xy: np.ndarray) -> tuple[np.ndarray, int]:
+        """(decoy xy, switch tick) of one draw, a function of seed and attempt."""
+        rng = np.random.default_rng([seed, attempt, 1])
+        box = TASKS["transfer_cube"].object_range
+        for _ in range(1000):  # rejection sampling: the decoy's range is a 20 x 20 cm square
+            decoy = np.array([rng.uniform(*box["x"]), rng.uniform(*box["y"])])
+            if np.linalg.norm(decoy - cube_xy) >= self.min_offset:
+                break
+        return decoy, int(rng.integers(self.first, self.last + 1))
 
 
 @dataclass
@@ -87,6 +129,7 @@ def scripted_episode_frames(
     render_every: int = 1,
     noise: ActionNoise | None = None,
     render_first: int = 0,
+    detour: Detour | None = None,
 ) -> Iterator[Frame]:
     """Reset ``sim`` with ``seed`` and yield ``steps`` frames of the task's scripted expert.
 
@@ -103,19 +146,26 @@ def scripted_episode_frames(
     the arm's first motion, which a policy learns to follow instead: docs/policy-experiments.md).
     ``render_every`` 0 renders only the ticks before ``render_first``: with 1, one frame per
     episode, its tick 0, and the actions after it (many scenes for the cost of one render each).
+
+    ``detour`` (enabled): the expert first reaches for a decoy (:class:`Detour`); nothing is
+    rendered before its switch tick, from which both rendering rules count instead of tick 0.
     """
     if steps < 1:
         raise SimError(f"steps must be >= 1, got {steps}")
     check_rendering(render_every, render_first)
-    phase = episode % render_every if render_every else 0
+    if detour is not None and detour.enabled and noise is not None and noise.std > 0:
+        raise SimError("a recording takes either command noise or detours, not both")
+    offsets = _completed_draw(sim, seed, steps, noise) if noise is not None and noise.std > 0 else None
+    plan = _completed_detour(sim, seed, steps, detour) if detour is not None and detour.enabled else None
+    start = 0 if plan is None else plan[1]
+    phase = start + (episode % render_every if render_every else 0)
 
     def cams_at(t: int) -> Sequence[str] | None:
-        periodic = render_every > 0 and (t - phase) % render_every == 0
-        return cameras if t < steps and (t < render_first or periodic) else ()
+        periodic = render_every > 0 and t >= start and (t - phase) % render_every == 0
+        return cameras if t < steps and (start <= t < start + render_first or periodic) else ()
 
-    offsets = _completed_draw(sim, seed, steps, noise) if noise is not None and noise.std > 0 else None
     obs = sim.reset(seed, cameras=cams_at(0))
-    expert = ScriptedExpert(sim.config.task, sim.seed, sim.object_qpos)
+    expert = ScriptedExpert(sim.config.task, sim.seed, sim.object_qpos, plan)
     for t in range(steps):
         action = expert.act(t, sim.object_qpos)
         nxt = sim.step(action if offsets is None else action + offsets[t], cameras=cams_at(t + 1))
@@ -154,6 +204,25 @@ def _completed_draw(sim: AlohaSim, seed: int, steps: int, noise: ActionNoise) ->
     return None
 
 
+def _completed_detour(sim: AlohaSim, seed: int, steps: int, detour: Detour) -> tuple[np.ndarray, int] | None:
+    """The first of ``detour.attempts`` (decoy, switch) draws whose episode the expert completes,
+    played on ``sim`` without rendering; None when none does."""
+    sim.reset(seed, cameras=())
+    cube_xy = np.asarray(sim.object_qpos[:2], dtype=np.float64)
+    for attempt in range(detour.attempts):
+        plan = detour.draw(seed, attempt, cube_xy)
+        sim.reset(seed, cameras=())
+        expert = ScriptedExpert(sim.config.task, sim.seed, sim.object_qpos, plan)
+        try:
+            for t in range(steps):
+                sim.step(expert.act(t, sim.object_qpos), cameras=())
+        except SimError:
+            continue
+        if sim.success:
+            return plan
+    return None
+
+
 @dataclass
 class ScriptedTrajectory:
     """A scripted demonstration in joint space.
@@ -188,16 +257,17 @@ def scripted_frames(
     render_every: int = 1,
     noise: ActionNoise | None = None,
     render_first: int = 0,
+    detour: Detour | None = None,
 ) -> Iterator[Frame]:
     """Frames of ``episodes`` scripted episodes, episode i seeded ``seed + i`` (images every
-    ``render_every`` ticks and each before ``render_first``, commands with ``noise``, see
-    :func:`scripted_episode_frames`)."""
+    ``render_every`` ticks and each before ``render_first``, commands with ``noise``, a
+    ``detour`` first, see :func:`scripted_episode_frames`)."""
     if episodes < 1:
         raise SimError(f"episodes must be >= 1, got {episodes}")
     sim = AlohaSim(SimConfig(task=task, cameras=tuple(cameras), height=height, width=width))
     for i in range(episodes):
         yield from scripted_episode_frames(sim, seed + i, steps, cameras=None, episode=i, render_every=render_every, noise=noise,
-                                           render_first=render_first)  # fmt: skip
+                                           render_first=render_first, detour=detour)  # fmt: skip
 
 
-__all__ = ["DT", "ActionNoise", "Frame", "ScriptedTrajectory", "scripted_episode_frames", "scripted_frames", "scripted_trajectory"]
+__all__ = ["DT", "ActionNoise", "Detour", "Frame", "ScriptedTrajectory", "scripted_episode_frames", "scripted_frames", "scripted_trajectory"]

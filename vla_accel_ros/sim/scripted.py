@@ -148,35 +148,58 @@ class TransferCubeScript:
     script is an expert with privileged state).
     """
 
-    def __init__(self, start: np.ndarray, objects: np.ndarray) -> None:
+    def __init__(self, start: np.ndarray, objects: np.ndarray, detour: tuple[np.ndarray, int] | None = None) -> None:
         left0, right0 = start[0], start[1]  # [7] mocap poses after reset
-        cx, cy = float(objects[0]), float(objects[1])
         # The right gripper pitches down towards the table (at rest its fingers point to -x).
         r_down = quat_mul(quat_axis_angle((0, 1, 0), -55.0), right0[3:])
         # The left gripper stays horizontal but rolls 90 degrees: its fingers close along z.
         self.l_roll = quat_mul(quat_axis_angle((1, 0, 0), 90.0), left0[3:])
         hand = np.array([0.02, 0.5, 0.22])  # where the right arm presents the cube
-        self.right = ArmPath(
-            [
-                _wp(0, right0[:3], right0[3:], CLOSED),
-                _wp(50, (cx, cy, 0.12), r_down, OPEN),  # above the cube
-                _wp(80, (cx, cy, self.grasp_z), r_down, OPEN),  # fingers around it
-                _wp(100, (cx, cy, self.grasp_z), r_down, CLOSED),  # grasp
-                _wp(140, hand, r_down, CLOSED),  # lift to the middle
-                _wp(200, hand, r_down, CLOSED),
-                _wp(210, hand, r_down, OPEN),  # let go
-                _wp(220, hand, r_down, OPEN),
-                _wp(265, hand + (0.15, 0.0, 0.05), r_down, OPEN),  # back off
-            ]
-        )
+        # A detour (decoy xy, switch tick): the right arm first heads for the decoy as if the
+        # cube lay there, then from the switch on turns to the real cube; the steps after
+        # the switch are what a policy that reached for the wrong place needs to have seen.
+        # Arriving above the cube takes 25 ticks at least, so the later schedule (both arms)
+        # runs ``delay`` ticks late.
+        self.switch, delay = 0, 0
+        self.decoy: ArmPath | None = None
+        if detour is not None:
+            decoy_xy, self.switch = np.asarray(detour[0], dtype=np.float64), int(detour[1])
+            if not 1 <= self.switch <= self.latest_switch:
+                raise SimError(f"a detour switches at tick 1..{self.latest_switch}, got {self.switch}")
+            self.decoy = ArmPath(self._right_waypoints(right0, r_down, hand, decoy_xy, 0))
+            delay = max(0, self.switch + 25 - 50)
+        waypoints = self._right_waypoints(right0, r_down, hand, np.asarray(objects[:2], dtype=np.float64), delay)
+        if self.decoy is not None:
+            at = self.decoy(self.switch)
+            waypoints = [_wp(self.switch, at[:3], at[3:7], at[7])] + waypoints[1:]
+        self.right = ArmPath(waypoints)
         self.wait = hand + (-0.15, 0.0, 0.0)  # beside the handover, out of the way
-        self.left = ArmPath([_wp(0, left0[:3], left0[3:], CLOSED), _wp(110, self.wait, self.l_roll, OPEN)])
+        self.left = ArmPath([_wp(0, left0[:3], left0[3:], CLOSED), _wp(110 + delay, self.wait, self.l_roll, OPEN)])
         # Aim at the cube while approaching (until ``aim_until``, then the target is frozen:
         # following it further would chase a cube the left fingers push), reach 150..175,
         # close 180..195, hold while the right lets go, carry the cube away 225..270.
-        self.reach, self.close, self.carry = (150, 175), (180, 195), (225, 270)
-        self.aim_until = 165
+        self.reach, self.close, self.carry = (150 + delay, 175 + delay), (180 + delay, 195 + delay), (225 + delay, 270 + delay)
+        self.aim_until = 165 + delay
         self.grasp_xyz = self.wait
+
+    # The last tick a detour may switch at: the decoy path is still above the grasp height
+    # (it descends from tick 50), and the delayed schedule ends by tick 290 of 300.
+    latest_switch = 45
+
+    def _right_waypoints(self, right0: np.ndarray, r_down: np.ndarray, hand: np.ndarray, cube_xy: np.ndarray,
+                         delay: int) -> list[Waypoint]:  # fmt: skip
+        cx, cy, d = float(cube_xy[0]), float(cube_xy[1]), delay
+        return [
+            _wp(0, right0[:3], right0[3:], CLOSED),
+            _wp(50 + d, (cx, cy, 0.12), r_down, OPEN),  # above the cube
+            _wp(80 + d, (cx, cy, self.grasp_z), r_down, OPEN),  # fingers around it
+            _wp(100 + d, (cx, cy, self.grasp_z), r_down, CLOSED),  # grasp
+            _wp(140 + d, hand, r_down, CLOSED),  # lift to the middle
+            _wp(200 + d, hand, r_down, CLOSED),
+            _wp(210 + d, hand, r_down, OPEN),  # let go
+            _wp(220 + d, hand, r_down, OPEN),
+            _wp(265 + d, hand + (0.15, 0.0, 0.05), r_down, OPEN),  # back off
+        ]
 
     # Mocap height when grasping the cube: fingertips pressed on the table could not close.
     grasp_z = 0.015
@@ -194,7 +217,8 @@ class TransferCubeScript:
             xyz = xyz + _ramp(step, *self.carry) * np.array([-0.15, 0.0, 0.02])
             grip = OPEN + _ramp(step, *self.close) * (CLOSED - OPEN)
             left = _pack(xyz, self.l_roll, grip)
-        return np.concatenate([left, self.right(step)])
+        right = self.decoy(step) if self.decoy is not None and step < self.switch else self.right(step)
+        return np.concatenate([left, right])
 
 
 class InsertionScript:
@@ -302,14 +326,17 @@ class ScriptedExpert:
             sim.step(expert.act(t, sim.object_qpos))
     """
 
-    def __init__(self, task: str, seed: int, object_qpos: np.ndarray) -> None:
+    def __init__(self, task: str, seed: int, object_qpos: np.ndarray, detour: tuple[np.ndarray, int] | None = None) -> None:
+        """``detour``: (decoy xy, switch tick), transfer_cube only (see :class:`TransferCubeScript`)."""
         if task not in TASK_NAMES:
             raise SimError(f"unknown task {task!r}; choose one of {', '.join(TASK_NAMES)}")
+        if detour is not None and task != "transfer_cube":
+            raise SimError(f"detours are scripted for transfer_cube only, not {task!r}")
         self.task = task
         self.mocap = MocapSim(task, ghost_objects=True)
         self.mocap.reset(seed)
-        script_cls = TransferCubeScript if task == "transfer_cube" else InsertionScript
-        self.script = script_cls(self.mocap.mocap_pose, np.asarray(object_qpos, dtype=np.float64))
+        obj = np.asarray(object_qpos, dtype=np.float64)
+        self.script = TransferCubeScript(self.mocap.mocap_pose, obj, detour) if task == "transfer_cube" else InsertionScript(self.mocap.mocap_pose, obj)
 
     def act(self, step: int, object_qpos: np.ndarray) -> np.ndarray:
         """[14] the joint-position action for control step ``step`` (0-based, in order)."""

@@ -468,8 +468,12 @@ class Trainer:
                         elif self.step >= FIT_PROBE:
                             self._fit((time.perf_counter() - probe) / (self.step - FIT_SKIP))
                             bar.total = self.total_steps
+                            # The window counts from the start: say how much reading (and a frozen
+                            # tower's tokens) took of it, or a short schedule looks like a bug.
+                            before = (t0 - self.started) / 60.0
                             bar.write(f"--fit-minutes {cfg.fit_minutes:g}: {self.total_steps} steps "
-                                      f"({self.total_steps * cfg.batch_size} samples)", file=sys.stderr)  # fmt: skip
+                                      f"({self.total_steps * cfg.batch_size} samples); reading and preparing the data took "
+                                      f"{before:.1f} of the {cfg.fit_minutes:g} minutes", file=sys.stderr)  # fmt: skip
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save_checkpoint()
                     if cfg.keep_every and self.step % cfg.keep_every == 0:
