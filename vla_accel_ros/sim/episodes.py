@@ -15,7 +15,7 @@ import numpy as np
 from vla_accel_ros.core.config import Config, param
 from vla_accel_ros.core.errors import ConfigError
 from vla_accel_ros.core.robot.config import ALOHA_GRIPPERS
-from vla_accel_ros.sim.aloha import DT, EPISODE_STEPS, TASKS, AlohaSim, EpisodeResult, SimConfig, SimError
+from vla_accel_ros.sim.aloha import DT, EPISODE_STEPS, TASKS, AlohaSim, EpisodeResult, SimConfig, SimError, sample_object_qpos
 from vla_accel_ros.sim.scripted import ScriptedExpert, TransferCubeScript
 
 
@@ -186,41 +186,31 @@ def scripted_episode_frames(
         obs = nxt
 
 
+def _completes(sim: AlohaSim, seed: int, steps: int, offsets: np.ndarray | None = None, plan=None) -> bool:
+    """Whether the expert (with ``plan``, a detour) completes the episode with the commands
+    offset by ``offsets``, played on ``sim`` without rendering (the caller resets it after)."""
+    sim.reset(seed, cameras=())
+    expert = ScriptedExpert(sim.config.task, sim.seed, sim.object_qpos, plan)
+    try:
+        for t in range(steps):
+            action = expert.act(t, sim.object_qpos)
+            sim.step(action if offsets is None else action + offsets[t], cameras=())
+    except SimError:  # a large offset can make MuJoCo diverge: not a usable draw
+        return False
+    return sim.success
+
+
 def _completed_draw(sim: AlohaSim, seed: int, steps: int, noise: ActionNoise) -> np.ndarray | None:
-    """The first of ``noise.attempts`` draws whose episode the expert completes, played on
-    ``sim`` without rendering (the caller resets it after); None when none does (or the physics
-    diverges under each)."""
-    for attempt in range(noise.attempts):
-        offsets = noise.offsets(seed, attempt, steps)
-        sim.reset(seed, cameras=())
-        expert = ScriptedExpert(sim.config.task, sim.seed, sim.object_qpos)
-        try:
-            for t in range(steps):
-                sim.step(expert.act(t, sim.object_qpos) + offsets[t], cameras=())
-        except SimError:  # a large offset can make MuJoCo diverge: not a usable draw
-            continue
-        if sim.success:
-            return offsets
-    return None
+    """The first of ``noise.attempts`` draws whose episode the expert completes; None when none does."""
+    draws = (noise.offsets(seed, attempt, steps) for attempt in range(noise.attempts))
+    return next((offsets for offsets in draws if _completes(sim, seed, steps, offsets=offsets)), None)
 
 
 def _completed_detour(sim: AlohaSim, seed: int, steps: int, detour: Detour) -> tuple[np.ndarray, int] | None:
-    """The first of ``detour.attempts`` (decoy, switch) draws whose episode the expert completes,
-    played on ``sim`` without rendering; None when none does."""
-    sim.reset(seed, cameras=())
-    cube_xy = np.asarray(sim.object_qpos[:2], dtype=np.float64)
-    for attempt in range(detour.attempts):
-        plan = detour.draw(seed, attempt, cube_xy)
-        sim.reset(seed, cameras=())
-        expert = ScriptedExpert(sim.config.task, sim.seed, sim.object_qpos, plan)
-        try:
-            for t in range(steps):
-                sim.step(expert.act(t, sim.object_qpos), cameras=())
-        except SimError:
-            continue
-        if sim.success:
-            return plan
-    return None
+    """The first of ``detour.attempts`` (decoy, switch) draws whose episode the expert completes; None when none does."""
+    cube_xy = sample_object_qpos(sim.config.task, seed)[:2]
+    plans = (detour.draw(seed, attempt, cube_xy) for attempt in range(detour.attempts))
+    return next((plan for plan in plans if _completes(sim, seed, steps, plan=plan)), None)
 
 
 @dataclass
