@@ -42,6 +42,18 @@ SEED0=${SEED0:-130000}                 # process p, bag k: seed SEED0 + 1000 p +
 VAL_SEED=${VAL_SEED:-91000}            # recorded without noise: val losses comparable between calls
 ACTION_NOISE=${ACTION_NOISE:-0.02}     # training bags: rad of held command noise, the label the expert's (sim record --action-noise)
 NOISE_HOLD=${NOISE_HOLD:-25}
+# Recovery demonstrations (sim record --detour FIRST,LAST: the right arm first heads for a decoy, then turns
+# to the cube; frames from the turn on). Each process records, in turn, WHOLE bags of whole episodes, then
+# DETOURS bags of detours (no command noise on these: a recording takes one or the other). On the CPU, 160
+# detours alone took the shipped bundle from 38/100 to 50/100 and lost part of the middle of the cube's
+# range (docs/policy-experiments.md). DETOURS=0: whole episodes only.
+DETOUR=${DETOUR:-10,45}
+WHOLE=${WHOLE:-1}
+DETOURS=${DETOURS:-2}
+if [ $(( WHOLE + DETOURS )) -lt 1 ]; then
+  echo "WHOLE=$WHOLE DETOURS=$DETOURS: each process records WHOLE bags of whole episodes, then DETOURS of detours; at least one must be above 0" >&2
+  exit 2
+fi
 VAL_EPISODES=${VAL_EPISODES:-8}
 BAG_TIMEOUT=${BAG_TIMEOUT:-$(( 60 * EPISODES_PER_BAG + 60 ))}
 DEVICE=${DEVICE:-cuda}
@@ -71,10 +83,12 @@ LOG_NAME=run.log
 INIT=()
 [ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
 [ -n "$INIT_FROM" ] && [ "$INIT_NORM" = 1 ] && INIT+=(--init-norm)
-record() {  # SEED EPISODES OUT [NOISE]: one bag, under a timeout, its output in the log
+record() {  # SEED EPISODES OUT [NOISE [DETOUR]]: one bag, under a timeout, its output in the log
+  local detour=()
+  [ -n "${5:-}" ] && detour=(--detour "$5")
   timeout -k 10 "$BAG_TIMEOUT" "${VLA[@]}" sim record --task "$TASK" --episodes "$2" --seed "$1" \
     --cameras "$CAMERAS" --render-every "$RENDER_EVERY" --render-first "$RENDER_FIRST" "${STEP_ARGS[@]}" --action-noise "${4:-0}" \
-    --noise-hold "$NOISE_HOLD" --out "$3" >> "$LOG" 2>&1
+    --noise-hold "$NOISE_HOLD" "${detour[@]}" --out "$3" >> "$LOG" 2>&1
 }
 SCENES_PER_PROC=$(( (SCENES + PROCS - 1) / PROCS ))
 record_scenes() {  # SEED OUT: one bag of tick-0 scenes
@@ -111,7 +125,11 @@ if [ "$RECORD_S" -gt 0 ]; then
       [ "$SCENES" -gt 0 ] && [ ! -f "$WORKDIR/stop" ] && record_scenes $(( SCENE_SEED0 + 10000 * p )) "$DATA/scenes_p${p}"
       k=0
       while [ ! -f "$WORKDIR/stop" ]; do  # at least one bag each, then none started after RECORD_S
-        record $(( SEED0 + 1000 * p + EPISODES_PER_BAG * k )) "$EPISODES_PER_BAG" "$DATA/p${p}_k${k}" "$ACTION_NOISE"
+        if [ $(( k % (WHOLE + DETOURS) )) -lt "$WHOLE" ]; then
+          record $(( SEED0 + 1000 * p + EPISODES_PER_BAG * k )) "$EPISODES_PER_BAG" "$DATA/p${p}_k${k}" "$ACTION_NOISE"
+        else
+          record $(( SEED0 + 1000 * p + EPISODES_PER_BAG * k )) "$EPISODES_PER_BAG" "$DATA/p${p}_k${k}_detour" 0 "$DETOUR"
+        fi
         k=$(( k + 1 ))
         [ $SECONDS -lt $END ] || break
       done
@@ -135,10 +153,11 @@ if [ "$RECORD_S" -gt 0 ]; then
 fi
 BAGS=$(ls -d "$DATA"/p*_k* 2>/dev/null | sort -V)
 NBAGS=$(echo "$BAGS" | grep -c . || true)
+NDETOUR=$(echo "$BAGS" | grep -c '_detour$' || true)
 SCENE_BAGS=$(ls -d "$DATA"/scenes_p* 2>/dev/null | sort -V)
 NSCENES=$(( $(echo "$SCENE_BAGS" | grep -c . || true) * SCENES_PER_PROC ))
 successes=$(grep -h -o "[0-9]* successes" "$LOG" | awk '{s += $1} END {print s + 0}')
-say "recorded: $NBAGS training bags of $EPISODES_PER_BAG episodes (command noise $ACTION_NOISE rad held $NOISE_HOLD ticks), validation bag: $([ -f "$DATA/val/metadata.yaml" ] && echo yes || echo no); scripted successes (all bags, probe included): $successes"
+say "recorded: $NBAGS training bags of $EPISODES_PER_BAG episodes (command noise $ACTION_NOISE rad held $NOISE_HOLD ticks), $NDETOUR of them detours ($DETOUR), validation bag: $([ -f "$DATA/val/metadata.yaml" ] && echo yes || echo no); scripted successes (all bags, probe included): $successes"
 say "tick-0 scenes: $NSCENES (of SCENES=$SCENES), $SCENE_STEPS actions each"
 echo "bags $NBAGS x $EPISODES_PER_BAG, tick-0 scenes $NSCENES, recorded by $(( SECONDS - T0 )) s" >> "$SUMMARY"
 if [ "$NBAGS" -eq 0 ] || [ ! -f "$DATA/val/metadata.yaml" ]; then

@@ -34,7 +34,7 @@ def test_the_gpu_script_records_trains_from_the_shipped_bundle_and_packs_what_co
                          timeout=300)  # fmt: skip
     log = (out / "run.log").read_text() if (out / "run.log").is_file() else ""
     assert run.returncode == 0, run.stdout + run.stderr + log[-3000:]
-    assert "recorded: 1 training bags of 1 episodes (command noise 0.02 rad held 25 ticks), validation bag: yes" in run.stdout
+    assert "recorded: 1 training bags of 1 episodes (command noise 0.02 rad held 25 ticks), 0 of them detours (10,45), validation bag: yes" in run.stdout
     assert "tick-0 scenes: 3 (of SCENES=3), 20 actions each" in run.stdout
     # Trained on beside the whole episode: 4 episodes, of which the scenes add one frame each.
     assert re.search(r"\b7 training samples \(4 episodes\)", log), log[-3000:]
@@ -92,6 +92,16 @@ def test_a_trainer_that_cannot_start_stops_the_recorders_and_the_script(tmp_path
     assert "no_bundle" in run.stdout  # the trainer's own error reaches the output that comes back
     assert "training for" not in run.stdout
     assert (tmp_path / "out" / "summary.txt").read_text().strip() == "failed: training smoke"
+
+
+def test_no_bag_kind_to_record_is_refused_before_anything_starts(tmp_path):
+    env = {**os.environ, "PY": sys.executable, "CARRY": str(tmp_path / "none"), "OUTDIR": str(tmp_path / "out"),
+           "WORKDIR": str(tmp_path / "work"), "WHOLE": "0", "DETOURS": "0"}  # fmt: skip
+    run = subprocess.run(["bash", "scripts/gpu_record_train.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert run.returncode == 2
+    assert "WHOLE=0 DETOURS=0" in run.stderr and "at least one must be above 0" in run.stderr
+    assert not (tmp_path / "work").exists()
 
 
 @pytest.mark.parametrize("name", ["gym-aloha", "dm-control", "mujoco", "gymnasium", "rosbags", "lz4", "transformers"])
